@@ -1,0 +1,149 @@
+#include "tandem/autograd/engine.h"
+
+#include <queue>
+#include <unordered_map>
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/autograd/node.h"
+#include "tandem/core/error.h"
+
+namespace tandem::autograd {
+namespace {
+
+struct ReadyOrder {
+  // AccumulateGrad first (so post-accumulate hooks fire as early as possible), then the node
+  // created last.
+  bool operator()(Node* a, Node* b) const {
+    const bool acc_a = dynamic_cast<AccumulateGrad*>(a) != nullptr, acc_b = dynamic_cast<AccumulateGrad*>(b) != nullptr;
+    if (acc_a != acc_b) return acc_b;
+    return a->sequence_nr() < b->sequence_nr();
+  }
+};
+
+void add_into(Tensor& slot, Tensor&& g) {
+  if (!g.defined()) return;
+  if (!slot.defined()) {
+    slot = std::move(g);
+  } else {
+    NoGradGuard no_grad;
+    Tensor sum = slot.clone();  // out of place: slot may be shared with another consumer
+    sum.add_(g);
+    slot = std::move(sum);
+  }
+}
+
+// Captured gradients for autograd::grad: (node, slot) -> result index.
+using Captures = std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>>;
+
+void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, bool retain_graph, bool create_graph,
+         const Captures* captures, std::vector<Tensor>* captured) {
+  TANDEM_CHECK(grads_in.empty() || grads_in.size() == roots.size(), AutogradError,
+               "backward: got {} gradients for {} outputs", grads_in.size(), roots.size());
+  std::vector<std::pair<Edge, Tensor>> root_inputs;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    TANDEM_CHECK(r.requires_grad(), AutogradError,
+                 "backward: element {} of the outputs does not require grad and has no grad_fn", i);
+    Tensor g = grads_in.empty() ? Tensor() : grads_in[i];
+    if (!g.defined()) {
+      TANDEM_CHECK(r.numel() == 1, AutogradError,
+                   "backward: a gradient can be created implicitly only for one-element outputs; output {} has shape "
+                   "{} (pass a gradient of that shape)",
+                   i, shape_str(r.shape()));
+      g = ones(r.shape(), r.dtype());
+    }
+    TANDEM_CHECK(g.shape() == r.shape(), ShapeError, "backward: gradient shape {} does not match output shape {}",
+                 shape_str(g.shape()), shape_str(r.shape()));
+    root_inputs.emplace_back(gradient_edge(r), std::move(g));
+  }
+
+  // ---- dependencies: how many edges enter each reachable node ----
+  std::unordered_map<Node*, int64_t> deps;
+  std::unordered_map<Node*, std::shared_ptr<Node>> keep_alive;
+  {
+    std::vector<Node*> stack;
+    for (auto& [edge, g] : root_inputs) {
+      if (keep_alive.emplace(edge.fn.get(), edge.fn).second) stack.push_back(edge.fn.get());
+    }
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      for (const Edge& e : n->next_edges()) {
+        if (!e.valid()) continue;
+        deps[e.fn.get()]++;
+        if (keep_alive.emplace(e.fn.get(), e.fn).second) stack.push_back(e.fn.get());
+      }
+    }
+  }
+
+  // ---- execution ----
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  auto buffer_of = [&](Node* n) -> std::vector<Tensor>& {
+    auto& b = buffers[n];
+    if (b.empty()) b.resize(std::max<size_t>(n->num_outputs(), 1));
+    return b;
+  };
+  std::priority_queue<Node*, std::vector<Node*>, ReadyOrder> ready;
+  for (auto& [edge, g] : root_inputs) add_into(buffer_of(edge.fn.get())[edge.input_nr], std::move(g));
+  for (auto& [edge, g] : root_inputs) {
+    Node* n = edge.fn.get();
+    if (deps[n] == 0) {
+      deps[n] = -1;  // queued
+      ready.push(n);
+    }
+  }
+
+  AutoGradMode mode(create_graph);
+  while (!ready.empty()) {
+    Node* n = ready.top();
+    ready.pop();
+    std::vector<Tensor> inputs = std::move(buffers[n]);
+    buffers.erase(n);
+    if (inputs.size() < n->num_outputs()) inputs.resize(n->num_outputs());
+    for (auto& [handle, hook] : n->pre_hooks()) {
+      auto& [slot, fn] = hook;
+      if (slot < inputs.size() && inputs[slot].defined()) {
+        Tensor r = fn(inputs[slot]);
+        if (r.defined()) inputs[slot] = std::move(r);
+      }
+    }
+    const bool is_accumulator = dynamic_cast<AccumulateGrad*>(n) != nullptr;
+    if (captures != nullptr) {
+      if (auto it = captures->find(n); it != captures->end()) {
+        for (auto [slot, index] : it->second) (*captured)[index] = inputs[slot];
+      }
+      if (is_accumulator) continue;  // autograd::grad never touches grad()
+    }
+    std::vector<Tensor> outputs = n->apply(std::move(inputs));
+    if (!retain_graph) n->release_variables();
+    const auto& edges = n->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid()) continue;
+      if (i < outputs.size()) add_into(buffer_of(e.fn.get())[e.input_nr], std::move(outputs[i]));
+      if (--deps[e.fn.get()] == 0) ready.push(e.fn.get());
+    }
+  }
+}
+
+}  // namespace
+
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph, bool create_graph) {
+  run(roots, grads, retain_graph, create_graph, nullptr, nullptr);
+  // Non-leaf tensors that asked for retain_grad() got their grad through a pre-hook.
+}
+
+std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_outputs, bool retain_graph) {
+  Captures captures;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Edge e = gradient_edge(inputs[i]);
+    TANDEM_CHECK(e.valid(), AutogradError, "autograd::grad: input {} does not require grad", i);
+    captures[e.fn.get()].emplace_back(e.input_nr, i);
+  }
+  std::vector<Tensor> result(inputs.size());
+  run(outputs, grad_outputs, retain_graph, false, &captures, &result);
+  return result;
+}
+
+}  // namespace tandem::autograd

@@ -1,0 +1,23 @@
+// The backward engine: runs the graph behind some root tensors in reverse, accumulating
+// gradients into leaves. Single-threaded, on the caller's thread; hooks run on that thread.
+#pragma once
+
+#include <vector>
+
+#include "tandem/core/tensor.h"
+
+namespace tandem::autograd {
+
+// Works as follows: collect every node reachable from the roots and count how many edges enter
+// each; starting from the roots, run a node once all its gradient inputs have arrived (later
+// created nodes first when several are ready), summing gradients that meet at the same input;
+// hand the outputs to the next nodes. Leaves' AccumulateGrad nodes add into grad().
+// Throws AutogradError for a root that does not require grad, a non-scalar root without an
+// explicit gradient, or a graph already freed by an earlier backward.
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph, bool create_graph);
+
+// Gradients of `outputs` w.r.t. `inputs` without touching any grad() (torch.autograd.grad).
+std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_outputs = {}, bool retain_graph = false);
+
+}  // namespace tandem::autograd

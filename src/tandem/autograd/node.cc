@@ -1,0 +1,113 @@
+#include "tandem/autograd/node.h"
+
+#include <atomic>
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/core/error.h"
+
+namespace tandem::autograd {
+namespace {
+std::atomic<uint64_t> next_sequence_nr{0};
+thread_local bool grad_enabled = true;
+}  // namespace
+
+bool is_grad_enabled() { return grad_enabled; }
+void set_grad_enabled(bool enabled) { grad_enabled = enabled; }
+
+Node::Node() : sequence_nr_(next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
+
+AccumulateGrad::AccumulateGrad(std::weak_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
+
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
+  std::shared_ptr<TensorImpl> impl = leaf_.lock();
+  if (!impl || grads.empty() || !grads[0].defined()) return {};
+  Tensor leaf(impl);
+  AutogradMeta& meta = *impl->autograd;
+  Tensor g = std::move(grads[0]);
+  for (auto& [handle, hook] : meta.leaf_hooks) {
+    Tensor r = hook(g);
+    if (r.defined()) g = std::move(r);
+  }
+  TANDEM_CHECK(g.shape() == leaf.shape(), AutogradError,
+               "AccumulateGrad: gradient of shape {} does not match parameter{} of shape {}", shape_str(g.shape()),
+               meta.name.empty() ? "" : " \"" + meta.name + "\"", shape_str(leaf.shape()));
+  {
+    NoGradGuard no_grad;
+    if (!meta.grad.defined()) {
+      // Steal the buffer when nobody else holds it (the common case), else copy: another input
+      // of the same op may have received this very tensor.
+      const bool exclusive = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.is_contiguous();
+      Tensor owned = exclusive ? g.detach() : g.clone();
+      if (owned.dtype() != leaf.dtype()) owned = owned.to(leaf.dtype());
+      meta.grad = owned;
+    } else {
+      meta.grad.add_(g);
+    }
+  }
+  for (auto& [handle, hook] : meta.post_acc_hooks) hook(leaf);
+  return {};
+}
+
+std::vector<Tensor> FunctionNode::apply(std::vector<Tensor>&& grads) {
+  TANDEM_CHECK(fn_ != nullptr, AutogradError,
+               "{}: trying to backward through the graph a second time (or directly access saved tensors after "
+               "they have already been freed). Pass retain_graph=true to the first backward() if you need to "
+               "backward twice.",
+               name_);
+  // Materialise missing gradients as zeros so that every closure sees defined tensors.
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) grads[i] = zeros(outputs_[i].shape, outputs_[i].dtype);
+  }
+  return fn_(grads);
+}
+
+AutogradMeta& autograd_meta(const Tensor& t) {
+  TensorImpl& impl = t.impl();
+  if (!impl.autograd) impl.autograd = std::make_shared<AutogradMeta>();
+  return *impl.autograd;
+}
+
+Edge gradient_edge(const Tensor& t) {
+  const auto& meta = t.impl().autograd;
+  if (!meta) return {};
+  if (meta->grad_fn) return {meta->grad_fn, meta->output_nr};
+  if (!meta->requires_grad) return {};
+  if (!meta->grad_accumulator) meta->grad_accumulator = std::make_shared<AccumulateGrad>(t.impl_ptr());
+  return {meta->grad_accumulator, 0};
+}
+
+bool any_requires_grad(std::initializer_list<const Tensor*> inputs) {
+  if (!is_grad_enabled()) return false;
+  for (const Tensor* t : inputs) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+bool any_requires_grad(const std::vector<Tensor>& inputs) {
+  if (!is_grad_enabled()) return false;
+  for (const Tensor& t : inputs) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
+}
+
+bool record(const char* name, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs, BackwardFn fn) {
+  if (!any_requires_grad(inputs)) return false;
+  auto node = std::make_shared<FunctionNode>(name, std::move(fn));
+  auto& edges = node->mutable_next_edges();
+  edges.reserve(inputs.size());
+  for (const Tensor& in : inputs) edges.push_back(in.defined() ? gradient_edge(in) : Edge{});
+  auto& outs = node->mutable_outputs();
+  for (uint32_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& out = outputs[i];
+    outs.push_back({out.shape(), out.dtype()});
+    AutogradMeta& meta = autograd_meta(out);
+    meta.requires_grad = true;
+    meta.grad_fn = node;
+    meta.output_nr = i;
+  }
+  return true;
+}
+
+}  // namespace tandem::autograd

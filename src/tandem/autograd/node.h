@@ -1,0 +1,121 @@
+// Autograd graph nodes. A Node turns the gradients of its forward outputs into gradients of its
+// forward inputs; next_edges()[i] says where input i's gradient goes. Nodes are owned by the
+// grad_fn of the tensors they produced (and by downstream nodes' edges), never by inputs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/core/tensor.h"
+
+namespace tandem::autograd {
+
+class Node;
+
+// Where a gradient flows: input `input_nr` of `fn`. An edge with no fn is a dead end (the
+// input did not require grad).
+struct Edge {
+  std::shared_ptr<Node> fn;
+  uint32_t input_nr = 0;
+  bool valid() const { return fn != nullptr; }
+};
+
+// Shape and dtype of a forward output, so a missing gradient can be materialised as zeros.
+struct OutputMeta {
+  Shape shape;
+  DType dtype = kFloat32;
+};
+
+class Node : public std::enable_shared_from_this<Node> {
+ public:
+  Node();
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  // grads[i] is the gradient of forward output i (may be undefined when nothing used it).
+  // Returns one gradient per next edge (undefined = no gradient).
+  virtual std::vector<Tensor> apply(std::vector<Tensor>&& grads) = 0;
+  virtual std::string name() const = 0;
+  // Frees saved tensors after a backward without retain_graph.
+  virtual void release_variables() {}
+
+  const std::vector<Edge>& next_edges() const { return next_edges_; }
+  std::vector<Edge>& mutable_next_edges() { return next_edges_; }
+  size_t num_outputs() const { return outputs_.size(); }
+  const std::vector<OutputMeta>& outputs() const { return outputs_; }
+  std::vector<OutputMeta>& mutable_outputs() { return outputs_; }
+  // Creation order; backward runs later-created nodes first.
+  uint64_t sequence_nr() const { return sequence_nr_; }
+
+  // Hooks on the gradient of forward output `output_nr` (Tensor::register_hook on a non-leaf).
+  std::map<int64_t, std::pair<uint32_t, TensorHook>>& pre_hooks() { return pre_hooks_; }
+
+ protected:
+  std::vector<Edge> next_edges_;
+  std::vector<OutputMeta> outputs_;
+
+ private:
+  uint64_t sequence_nr_;
+  std::map<int64_t, std::pair<uint32_t, TensorHook>> pre_hooks_;  // handle -> (output_nr, hook)
+};
+
+// Per-tensor autograd state, held by TensorImpl::autograd.
+struct AutogradMeta {
+  bool requires_grad = false;
+  bool retains_grad = false;
+  Tensor grad;
+  std::shared_ptr<Node> grad_fn;    // null for leaves
+  uint32_t output_nr = 0;           // which output of grad_fn this tensor is
+  std::shared_ptr<Node> grad_accumulator;  // leaves only, made on first use
+  std::map<int64_t, TensorHook> leaf_hooks;                    // leaves: run before accumulation
+  std::map<int64_t, PostAccumulateGradHook> post_acc_hooks;   // leaves: run after accumulation
+  std::string name;
+};
+
+// Accumulates a gradient into a leaf's grad(), running its hooks. Holds the leaf weakly.
+class AccumulateGrad : public Node {
+ public:
+  explicit AccumulateGrad(std::weak_ptr<TensorImpl> leaf);
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
+  std::string name() const override { return "AccumulateGrad"; }
+
+ private:
+  std::weak_ptr<TensorImpl> leaf_;
+};
+
+// A node whose backward is a closure (the common case for ops). The closure's captures are
+// its saved tensors, dropped by release_variables().
+using BackwardFn = std::function<std::vector<Tensor>(const std::vector<Tensor>& grads)>;
+
+class FunctionNode : public Node {
+ public:
+  FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
+  std::string name() const override { return name_; }
+  void release_variables() override { fn_ = nullptr; }
+
+ private:
+  std::string name_;
+  BackwardFn fn_;
+};
+
+// ---- helpers used by ops ----
+
+AutogradMeta& autograd_meta(const Tensor& t);   // creates it if missing
+// Where a gradient for `t` goes: its grad_fn, its accumulator (leaf requiring grad), or nowhere.
+Edge gradient_edge(const Tensor& t);
+// True when grad mode is on and any input requires grad.
+bool any_requires_grad(std::initializer_list<const Tensor*> inputs);
+bool any_requires_grad(const std::vector<Tensor>& inputs);
+
+// Connects `outputs` to a new FunctionNode whose backward is `fn`, if grad mode is on and any of
+// `inputs` requires grad (otherwise does nothing). Returns whether a node was recorded.
+// Save outputs inside `fn` only through detach() (a saved output with its own grad_fn is a cycle).
+bool record(const char* name, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs, BackwardFn fn);
+
+}  // namespace tandem::autograd

@@ -1,0 +1,164 @@
+#include "tandem/core/parallel.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+namespace {
+
+int default_num_threads() {
+  if (const char* s = std::getenv("TANDEM_NUM_THREADS"); s != nullptr && *s != '\0') {
+    const int n = std::atoi(s);
+    TANDEM_CHECK(n >= 1, ValueError, "TANDEM_NUM_THREADS={} is not a positive integer; set it to e.g. 1", s);
+    return n;
+  }
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (cores <= 0) cores = 1;
+  int local_world = 1;
+  if (const char* s = std::getenv("LOCAL_WORLD_SIZE"); s != nullptr && std::atoi(s) > 0) local_world = std::atoi(s);
+  return std::max(1, cores / local_world);
+}
+
+thread_local bool in_parallel_region = false;
+
+// Workers wait for a job generation number; the caller runs chunk 0 itself.
+class Pool {
+ public:
+  explicit Pool(int n) { resize(n); }
+  ~Pool() { stop(); }
+
+  int size() const { return size_; }
+
+  void resize(int n) {
+    stop();
+    size_ = n;
+    done_ = false;
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+  }
+
+  void run(int nchunks, const std::function<void(int)>& chunk) {
+    std::lock_guard<std::mutex> one_job_at_a_time(run_mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ = &chunk;
+    nchunks_ = nchunks;
+    pending_ = nchunks - 1;
+    error_ = nullptr;
+    ++generation_;
+    lock.unlock();
+    cv_.notify_all();
+    std::exception_ptr mine;
+    try {
+      in_parallel_region = true;
+      chunk(0);
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    in_parallel_region = false;
+    lock.lock();
+    finished_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+    if (mine) std::rethrow_exception(mine);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void loop(int index) {
+    uint64_t seen = 0;
+    in_parallel_region = true;
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return done_ || generation_ != seen; });
+      if (done_) return;
+      seen = generation_;
+      if (index >= nchunks_) continue;
+      const std::function<void(int)>* job = job_;
+      lock.unlock();
+      std::exception_ptr err;
+      try {
+        (*job)(index);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lock.lock();
+      if (err && !error_) error_ = err;
+      if (--pending_ == 0) finished_.notify_one();
+    }
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+  }
+
+  int size_ = 1;
+  std::vector<std::thread> workers_;
+  std::mutex run_mu_;  // callers on different threads take turns
+  std::mutex mu_;
+  std::condition_variable cv_, finished_;
+  const std::function<void(int)>* job_ = nullptr;
+  int nchunks_ = 0;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+std::mutex pool_mu;
+Pool* pool_ptr = nullptr;
+
+Pool& pool() {
+  std::lock_guard<std::mutex> lock(pool_mu);
+  if (pool_ptr == nullptr) {
+    pool_ptr = new Pool(default_num_threads());  // leaked: workers must outlive static teardown
+    omp_set_num_threads(pool_ptr->size());
+  }
+  return *pool_ptr;
+}
+
+}  // namespace
+
+void set_num_threads(int n) {
+  TANDEM_CHECK(n >= 1, ValueError, "set_num_threads({}): the thread count must be >= 1", n);
+  TANDEM_CHECK(!in_parallel_region, ValueError, "set_num_threads({}) called inside parallel_for", n);
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(pool_mu);
+  if (p.size() != n) p.resize(n);
+  omp_set_num_threads(n);
+}
+
+int get_num_threads() { return pool().size(); }
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (end <= begin) return;
+  const int64_t n = end - begin;
+  grain = std::max<int64_t>(grain, 1);
+  Pool& p = pool();
+  const int64_t max_chunks = std::min<int64_t>(p.size(), (n + grain - 1) / grain);
+  if (max_chunks <= 1 || in_parallel_region) {
+    fn(begin, end);
+    return;
+  }
+  const int64_t chunk = (n + max_chunks - 1) / max_chunks;
+  const int nchunks = static_cast<int>((n + chunk - 1) / chunk);
+  p.run(nchunks, [&](int i) {
+    const int64_t b = begin + i * chunk;
+    fn(b, std::min(end, b + chunk));
+  });
+}
+
+}  // namespace tandem

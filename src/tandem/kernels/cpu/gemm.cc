@@ -1,0 +1,169 @@
+#include "tandem/kernels/cpu/gemm.h"
+
+#include <omp.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "tandem/core/parallel.h"
+
+namespace tandem::kernels {
+namespace {
+
+dnnl::memory::data_type dnnl_type(DType t) {
+  switch (t) {
+    case DType::f32: return dnnl::memory::data_type::f32;
+    case DType::bf16: return dnnl::memory::data_type::bf16;
+    case DType::f16: return dnnl::memory::data_type::f16;
+    default: throw DTypeError(fmt::format("gemm: oneDNN path does not take {}", dtype_name(t)));
+  }
+}
+
+struct Runtime {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  std::mutex mu;
+  std::unordered_map<std::string, dnnl::matmul> cache;
+};
+
+Runtime& runtime() {
+  static Runtime* r = new Runtime;  // leaked: primitives may be used during static teardown
+  return *r;
+}
+
+// oneDNN's plain memory descriptors accept arbitrary strides, but its fast kernels want one
+// unit-stride matrix dim; anything else is copied first.
+Tensor matrix_operand(const Tensor& t) {
+  if (t.stride(-1) == 1 || t.stride(-2) == 1) return t;
+  return t.contiguous();
+}
+
+void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
+  const int64_t B = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);
+  const double* pa = a.data_ptr<double>();
+  const double* pb = b.data_ptr<double>();
+  double* pc = c.data_ptr<double>();
+  const int64_t sab = a.size(0) == 1 ? 0 : a.stride(0), sam = a.stride(1), sak = a.stride(2);
+  const int64_t sbb = b.size(0) == 1 ? 0 : b.stride(0), sbk = b.stride(1), sbn = b.stride(2);
+  const double* pbias = bias.defined() ? bias.data_ptr<double>() : nullptr;
+  const int64_t sbias = bias.defined() ? bias.stride(0) : 0;
+  parallel_for(0, B * M, std::max<int64_t>(1, 4096 / std::max<int64_t>(N * K, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t bi = r / M, i = r % M;
+      double* crow = pc + r * N;
+      for (int64_t j = 0; j < N; ++j) crow[j] = pbias ? pbias[j * sbias] : 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double aik = pa[bi * sab + i * sam + k * sak];
+        const double* brow = pb + bi * sbb + k * sbk;
+        for (int64_t j = 0; j < N; ++j) crow[j] += aik * brow[j * sbn];
+      }
+    }
+  });
+}
+
+void gemm_dnnl(const Tensor& a0, const Tensor& b0, const Tensor& bias, Tensor& c) {
+  const Tensor a = matrix_operand(a0), b = matrix_operand(b0);
+  const int64_t B = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);
+  using dims = dnnl::memory::dims;
+  const dims a_dims{a.size(0), M, K}, b_dims{b.size(0), K, N}, c_dims{B, M, N};
+  const dims a_str{a.size(0) == 1 ? M * K : a.stride(0), a.stride(1), a.stride(2)};
+  const dims b_str{b.size(0) == 1 ? K * N : b.stride(0), b.stride(1), b.stride(2)};
+  const dims c_str{M * N, N, 1};
+  const std::string key = fmt::format("{},{},{}|{},{},{}|{},{},{}|{},{},{}|{}{}{}|{}", a_dims[0], M, K, b_dims[0], N, B,
+                                      a_str[0], a_str[1], a_str[2], b_str[0], b_str[1], b_str[2],
+                                      static_cast<int>(a.dtype()), static_cast<int>(c.dtype()),
+                                      bias.defined() ? static_cast<int>(bias.dtype()) : -1, 0);
+  Runtime& rt = runtime();
+  const dnnl::memory::desc a_md(a_dims, dnnl_type(a.dtype()), a_str);
+  const dnnl::memory::desc b_md(b_dims, dnnl_type(b.dtype()), b_str);
+  const dnnl::memory::desc c_md(c_dims, dnnl_type(c.dtype()), c_str);
+  dnnl::memory::desc bias_md;
+  Tensor bias_c;
+  if (bias.defined()) {
+    bias_c = bias.contiguous();
+    bias_md = dnnl::memory::desc({1, 1, N}, dnnl_type(bias_c.dtype()), dims{N, N, 1});
+  }
+  dnnl::matmul prim;
+  {
+    std::lock_guard<std::mutex> lock(rt.mu);
+    auto it = rt.cache.find(key);
+    if (it == rt.cache.end()) {
+      dnnl::matmul::desc desc = bias.defined() ? dnnl::matmul::desc(a_md, b_md, bias_md, c_md)
+                                               : dnnl::matmul::desc(a_md, b_md, c_md);
+      dnnl::matmul::primitive_desc pd(desc, rt.engine);
+      it = rt.cache.emplace(key, dnnl::matmul(pd)).first;
+    }
+    prim = it->second;
+  }
+  // oneDNN threads through OpenMP, whose thread count is per calling thread.
+  const int threads = get_num_threads();
+  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, dnnl::memory(a_md, rt.engine, a.data_ptr())},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(b_md, rt.engine, b.data_ptr())},
+      {DNNL_ARG_DST, dnnl::memory(c_md, rt.engine, c.data_ptr())}};
+  if (bias.defined()) args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_md, rt.engine, bias_c.data_ptr()));
+  thread_local dnnl::stream stream(rt.engine);  // one per thread: streams are not shared
+  prim.execute(stream, args);
+  stream.wait();
+}
+
+void check_operands(const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& c) {
+  TANDEM_CHECK(a.dim() == 3 && b.dim() == 3, ShapeError, "gemm: expected 3-d operands, got {} and {}",
+               shape_str(a.shape()), shape_str(b.shape()));
+  TANDEM_CHECK(a.size(2) == b.size(1), ShapeError, "gemm: inner dimensions differ: {} @ {}", shape_str(a.shape()),
+               shape_str(b.shape()));
+  TANDEM_CHECK(a.dtype() == b.dtype(), DTypeError, "gemm: operand dtypes differ ({} vs {})", dtype_name(a.dtype()),
+               dtype_name(b.dtype()));
+  if (bias.defined()) {
+    TANDEM_CHECK(bias.dim() == 1 && bias.size(0) == b.size(2), ShapeError, "gemm: bias of shape {} for {} outputs",
+                 shape_str(bias.shape()), b.size(2));
+  }
+  (void)c;
+}
+
+}  // namespace
+
+void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
+  check_operands(a, b, bias, c);
+  if (c.numel() == 0) return;
+  if (a.size(2) == 0) {
+    // Empty inner dimension: the product is zero (plus bias).
+    c.zero_();
+    if (bias.defined()) c.add_(bias);
+    return;
+  }
+  switch (a.dtype()) {
+    case DType::f64: {
+      const Tensor bb = bias.defined() ? bias.to(kFloat64) : bias;
+      return gemm_f64(a, b, bb, c);
+    }
+    case DType::f32:
+    case DType::bf16: {
+      const Tensor bb = bias.defined() && bias.dtype() != c.dtype() && c.dtype() != kFloat32 ? bias.to(c.dtype()) : bias;
+      return gemm_dnnl(a, b, bb, c);
+    }
+    case DType::f16: {
+      // This CPU's oneDNN has no f16 GEMM: widen to f32 (exact), multiply, round once.
+      Tensor c32 = c.dtype() == kFloat32 ? c : empty(c.shape(), kFloat32);
+      gemm_dnnl(a.to(kFloat32), b.to(kFloat32), bias.defined() ? bias.to(kFloat32) : bias, c32);
+      if (!c32.is_same(c)) c.copy_(c32);
+      return;
+    }
+    default:
+      throw DTypeError(fmt::format("matmul: expected a floating-point dtype, got {}", dtype_name(a.dtype())));
+  }
+}
+
+Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& bias, DType out_dtype) {
+  check_operands(a, b, bias, Tensor());
+  TANDEM_CHECK(out_dtype == a.dtype() || (is_reduced_float(a.dtype()) && out_dtype == kFloat32), DTypeError,
+               "gemm: output dtype {} for {} inputs", dtype_name(out_dtype), dtype_name(a.dtype()));
+  Tensor c = empty({std::max(a.size(0), b.size(0)), a.size(1), b.size(2)}, out_dtype);
+  gemm_into(a, b, bias, c);
+  return c;
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,144 @@
+#include "tandem/kernels/cpu/reduce.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tandem/core/parallel.h"
+
+namespace tandem::kernels {
+
+std::vector<int64_t> reduction_dims(const std::vector<int64_t>& dims, int64_t ndim, const char* op) {
+  std::vector<int64_t> out;
+  if (dims.empty()) {
+    for (int64_t d = 0; d < ndim; ++d) out.push_back(d);
+    return out;
+  }
+  for (int64_t d : dims) out.push_back(wrap_dim(d, ndim, op));
+  std::sort(out.begin(), out.end());
+  TANDEM_CHECK(std::adjacent_find(out.begin(), out.end()) == out.end(), ShapeError, "{}: dimension repeated in the list",
+               op);
+  if (ndim == 0) out.clear();
+  return out;
+}
+
+Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& dims, bool keepdim) {
+  Shape out;
+  for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
+    const bool reduced = std::binary_search(dims.begin(), dims.end(), d);
+    if (!reduced) out.push_back(shape[d]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+namespace {
+
+// Permutes x to (kept..., reduced...) and makes it contiguous: rows of length R, O rows.
+Tensor kept_then_reduced(const Tensor& x, const std::vector<int64_t>& dims, int64_t& O, int64_t& R) {
+  Shape perm;
+  O = 1;
+  R = 1;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (!std::binary_search(dims.begin(), dims.end(), d)) {
+      perm.push_back(d);
+      O *= x.size(d);
+    }
+  }
+  for (int64_t d : dims) {
+    perm.push_back(d);
+    R *= x.size(d);
+  }
+  return x.detach().permute(perm).contiguous();
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DType out_dtype) {
+  Tensor out = empty(reduced_shape(x.shape(), dims, keepdim), out_dtype);
+  TANDEM_DISPATCH_FLOATING(x.dtype(), "sum", [&] {
+    using T = scalar_t;
+    using Acc = std::conditional_t<std::is_same_v<compute_t<T>, float> && !std::is_same_v<T, float>, float, double>;
+    // Leading dims reduced on a contiguous tensor (a bias gradient): add rows into an accumulator.
+    bool leading = x.is_contiguous() && !dims.empty();
+    for (size_t i = 0; i < dims.size(); ++i) leading &= dims[i] == static_cast<int64_t>(i);
+    if (leading) {
+      int64_t R = 1;
+      for (int64_t d : dims) R *= x.size(d);
+      const int64_t O = x.numel() / std::max<int64_t>(R, 1);
+      const T* p = static_cast<const T*>(x.data_ptr());
+      std::vector<Acc> acc(static_cast<size_t>(O), Acc(0));
+      for (int64_t r = 0; r < R; ++r) {
+        const T* row = p + r * O;
+        for (int64_t j = 0; j < O; ++j) acc[j] += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+      }
+      TANDEM_DISPATCH_FLOATING(out_dtype, "sum", [&] {
+        auto* o = static_cast<scalar_t*>(out.data_ptr());
+        for (int64_t j = 0; j < O; ++j) o[j] = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>(acc[j]));
+      });
+      return;
+    }
+    int64_t O, R;
+    const Tensor xc = kept_then_reduced(x, dims, O, R);
+    const T* p = static_cast<const T*>(xc.data_ptr());
+    TANDEM_DISPATCH_FLOATING(out_dtype, "sum", [&] {
+      auto* o = static_cast<scalar_t*>(out.data_ptr());
+      parallel_for(0, O, std::max<int64_t>(1, 32768 / std::max<int64_t>(R, 1)), [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const T* row = p + i * R;
+          // Four partial sums: independent chains vectorise and lose less to rounding.
+          Acc s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+          int64_t j = 0;
+          for (; j + 4 <= R; j += 4) {
+            s0 += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+            s1 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 1]));
+            s2 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 2]));
+            s3 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 3]));
+          }
+          for (; j < R; ++j) s0 += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+          o[i] = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>((s0 + s1) + (s2 + s3)));
+        }
+      });
+    });
+  });
+  return out;
+}
+
+std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim) {
+  const std::vector<int64_t> dims{dim};
+  TANDEM_CHECK(x.dim() == 0 || x.size(dim) > 0, ShapeError, "max: cannot reduce over an empty dimension {} of shape {}",
+               dim, shape_str(x.shape()));
+  const Shape oshape = reduced_shape(x.shape(), x.dim() == 0 ? std::vector<int64_t>{} : dims, keepdim);
+  Tensor values = empty(oshape, x.dtype());
+  Tensor indices = empty(oshape, kInt64);
+  int64_t O, R;
+  const Tensor xc = kept_then_reduced(x, x.dim() == 0 ? std::vector<int64_t>{} : dims, O, R);
+  TANDEM_DISPATCH_ALL(x.dtype(), "max", [&] {
+    using T = scalar_t;
+    const T* p = static_cast<const T*>(xc.data_ptr());
+    T* v = static_cast<T*>(values.data_ptr());
+    int64_t* ix = indices.data_ptr<int64_t>();
+    for (int64_t i = 0; i < O; ++i) {
+      const T* row = p + i * R;
+      int64_t best = 0;
+      compute_t<T> bv = static_cast<compute_t<T>>(row[0]);
+      for (int64_t j = 1; j < R; ++j) {
+        const compute_t<T> cur = static_cast<compute_t<T>>(row[j]);
+        if constexpr (std::is_floating_point_v<compute_t<T>>) {
+          if (std::isnan(bv)) break;
+          if (std::isnan(cur) || cur > bv) {
+            bv = cur;
+            best = j;
+          }
+        } else if (cur > bv) {
+          bv = cur;
+          best = j;
+        }
+      }
+      v[i] = row[best];
+      ix[i] = best;
+    }
+  });
+  return {values, indices};
+}
+
+}  // namespace tandem::kernels

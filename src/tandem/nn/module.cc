@@ -1,0 +1,212 @@
+#include "tandem/nn/module.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "tandem/autograd/grad_mode.h"
+
+namespace tandem::nn {
+
+Tensor Module::forward(const Tensor&) {
+  throw Error(fmt::format("{}: this module has no single-tensor forward()", type_name_));
+}
+
+void Module::check_name(const std::string& name, const char* what) const {
+  TANDEM_CHECK(!name.empty() && name.find('.') == std::string::npos, ValueError,
+               "{}: {} name \"{}\" must be non-empty and contain no '.'", type_name_, what, name);
+  auto taken = [&](const auto& list) {
+    return std::any_of(list.begin(), list.end(), [&](const auto& p) { return p.first == name; });
+  };
+  TANDEM_CHECK(!taken(params_) && !taken(buffers_) && !taken(children_), ValueError,
+               "{}: attribute \"{}\" is already registered", type_name_, name);
+}
+
+Tensor Module::register_parameter(const std::string& name, Tensor t, bool requires_grad) {
+  check_name(name, "parameter");
+  TANDEM_CHECK(t.defined(), ValueError, "{}: parameter \"{}\" is undefined", type_name_, name);
+  t = t.is_leaf() ? t : t.detach();
+  if (requires_grad) t.requires_grad_(true);
+  params_.emplace_back(name, t);
+  return t;
+}
+
+Tensor Module::register_buffer(const std::string& name, Tensor t, bool persistent) {
+  check_name(name, "buffer");
+  buffers_.emplace_back(name, t);
+  if (!persistent) non_persistent_.push_back(name);
+  return t;
+}
+
+void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
+  check_name(name, "submodule");
+  TANDEM_CHECK(m != nullptr, ValueError, "{}: submodule \"{}\" is null", type_name_, name);
+  children_.emplace_back(name, std::move(m));
+}
+
+void Module::collect(const std::string& prefix, bool params, bool recurse, bool persistent_only, NamedTensors& out,
+                     std::vector<const TensorImpl*>& seen) const {
+  for (const auto& [name, t] : params ? params_ : buffers_) {
+    if (!t.defined()) continue;
+    if (persistent_only && std::find(non_persistent_.begin(), non_persistent_.end(), name) != non_persistent_.end())
+      continue;
+    const TensorImpl* key = &t.impl();
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+    seen.push_back(key);
+    out.emplace_back(prefix + name, t);
+  }
+  if (!recurse) return;
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, true, persistent_only, out, seen);
+}
+
+NamedTensors Module::named_parameters(bool recurse) const {
+  NamedTensors out;
+  std::vector<const TensorImpl*> seen;
+  collect("", true, recurse, false, out, seen);
+  return out;
+}
+
+std::vector<Tensor> Module::parameters(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_parameters(recurse)) out.push_back(t);
+  return out;
+}
+
+NamedTensors Module::named_buffers(bool recurse) const {
+  NamedTensors out;
+  std::vector<const TensorImpl*> seen;
+  collect("", false, recurse, false, out, seen);
+  return out;
+}
+
+std::vector<Tensor> Module::buffers(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_buffers(recurse)) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  std::function<void(const std::string&, std::shared_ptr<Module>)> walk = [&](const std::string& prefix,
+                                                                             std::shared_ptr<Module> m) {
+    out.emplace_back(prefix, m);
+    for (auto& [name, c] : m->children_) walk(prefix.empty() ? name : prefix + "." + name, c);
+  };
+  walk("", shared_from_this());
+  return out;
+}
+
+int64_t Module::num_parameters() const {
+  int64_t n = 0;
+  for (const Tensor& p : parameters()) n += p.numel();
+  return n;
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [name, c] : children_) c->train(on);
+}
+
+namespace {
+
+// Re-points t's TensorImpl at a converted copy of its data, so every holder sees the change.
+void convert_in_place(const Tensor& t, DType dtype) {
+  if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return;
+  Tensor converted = t.detach().to(dtype).contiguous();
+  TensorImpl& impl = t.impl();
+  impl.storage = converted.storage();
+  impl.strides = converted.strides();
+  impl.offset = converted.offset();
+  impl.dtype = dtype;
+}
+
+}  // namespace
+
+void Module::to(DType dtype) {
+  TANDEM_CHECK(is_floating(dtype), DTypeError, "{}.to: expected a floating dtype, got {}", type_name_, dtype_name(dtype));
+  for (auto& [name, p] : named_parameters()) {
+    convert_in_place(p, dtype);
+    if (p.grad().defined()) convert_in_place(p.grad(), dtype);
+  }
+  for (auto& [name, b] : named_buffers()) convert_in_place(b, dtype);
+}
+
+void Module::zero_grad(bool set_to_none) {
+  for (Tensor& p : parameters()) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.set_grad(Tensor());
+    } else {
+      NoGradGuard no_grad;
+      Tensor g = p.grad();
+      g.zero_();
+    }
+  }
+}
+
+StateDict Module::state_dict() const {
+  StateDict out = named_parameters();
+  NamedTensors bufs;
+  std::vector<const TensorImpl*> seen;
+  collect("", false, true, true, bufs, seen);
+  out.insert(out.end(), bufs.begin(), bufs.end());
+  return out;
+}
+
+void Module::load_state_dict(const StateDict& state, bool strict) {
+  const StateDict mine = state_dict();
+  std::map<std::string, const Tensor*> given;
+  for (const auto& [name, t] : state) given[name] = &t;
+  // ---- validate everything first, so a bad file changes nothing ----
+  std::vector<std::string> missing, unexpected;
+  for (const auto& [name, t] : mine) {
+    auto it = given.find(name);
+    if (it == given.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    TANDEM_CHECK(it->second->shape() == t.shape(), ValueError,
+                 "load_state_dict: size mismatch for \"{}\": the checkpoint has shape {}, the model has {}", name,
+                 shape_str(it->second->shape()), shape_str(t.shape()));
+  }
+  for (const auto& [name, t] : state) {
+    if (std::none_of(mine.begin(), mine.end(), [&](const auto& p) { return p.first == name; })) unexpected.push_back(name);
+  }
+  if (strict && (!missing.empty() || !unexpected.empty())) {
+    auto join = [](const std::vector<std::string>& v) {
+      std::string s;
+      for (const auto& x : v) s += (s.empty() ? "\"" : ", \"") + x + "\"";
+      return s.empty() ? std::string("none") : s;
+    };
+    throw ValueError(fmt::format("load_state_dict ({}): missing keys: {}; unexpected keys: {}", type_name_,
+                                 join(missing), join(unexpected)));
+  }
+  NoGradGuard no_grad;
+  for (const auto& [name, t] : mine) {
+    auto it = given.find(name);
+    if (it == given.end()) continue;
+    Tensor dst = t;
+    dst.copy_(*it->second);
+  }
+}
+
+std::string Module::to_string() const {
+  std::ostringstream os;
+  os << type_name_ << "(" << extra_repr();
+  if (!children_.empty()) {
+    os << "\n";
+    for (const auto& [name, c] : children_) {
+      std::string inner = c->to_string();
+      std::string indented;
+      for (char ch : inner) {
+        indented += ch;
+        if (ch == '\n') indented += "  ";
+      }
+      os << "  (" << name << "): " << indented << "\n";
+    }
+  }
+  os << ")";
+  return os.str();
+}
+
+}  // namespace tandem::nn

@@ -1,0 +1,108 @@
+// matmul and linear, with their backward beside them. Transposes are strided views handed to
+// oneDNN, never copies.
+#include "tandem/ops/linalg.h"
+
+#include "tandem/autograd/node.h"
+#include "tandem/kernels/cpu/gemm.h"
+#include "tandem/kernels/cpu/loops.h"
+#include "tandem/ops/elementwise.h"
+
+namespace tandem::ops {
+
+using autograd::record;
+using G = std::vector<Tensor>;
+
+namespace {
+
+void check_pair(const Tensor& a, const Tensor& b, const char* op) {
+  TANDEM_CHECK(a.dtype() == b.dtype(), DTypeError, "{}: expected both operands to have the same dtype, got {} and {}", op,
+               dtype_name(a.dtype()), dtype_name(b.dtype()));
+  TANDEM_CHECK(is_floating(a.dtype()), DTypeError, "{}: expected floating-point operands, got {}", op,
+               dtype_name(a.dtype()));
+}
+
+// (M, K) @ (K, N) on 2-d views, no autograd.
+Tensor mm_raw(const Tensor& a, const Tensor& b) {
+  return kernels::gemm(a.unsqueeze(0), b.unsqueeze(0), Tensor(), a.dtype()).squeeze(0);
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  check_pair(a, b, "matmul");
+  TANDEM_CHECK(a.dim() >= 1 && b.dim() >= 1, ShapeError, "matmul: both operands need at least 1 dim, got {} and {}",
+               shape_str(a.shape()), shape_str(b.shape()));
+  // Vectors become matrices, and the added dims are dropped from the result.
+  if (a.dim() == 1 || b.dim() == 1) {
+    const Tensor a2 = a.dim() == 1 ? a.unsqueeze(0) : a;
+    const Tensor b2 = b.dim() == 1 ? b.unsqueeze(-1) : b;
+    Tensor r = matmul(a2, b2);
+    if (b.dim() == 1) r = r.squeeze(-1);
+    if (a.dim() == 1) r = r.squeeze(a2.dim() == 2 && b.dim() == 1 ? 0 : -2);
+    return r;
+  }
+  const int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  TANDEM_CHECK(b.size(-2) == K, ShapeError, "matmul: shapes {} and {} cannot be multiplied ({}x{} and {}x{})",
+               shape_str(a.shape()), shape_str(b.shape()), M, K, b.size(-2), N);
+  const Shape ab(a.shape().begin(), a.shape().end() - 2), bb(b.shape().begin(), b.shape().end() - 2);
+  const Shape batch = kernels::broadcast_shapes(ab, bb, "matmul");
+  const int64_t B = shape_numel(batch);
+  Shape ea = batch, eb = batch;
+  ea.insert(ea.end(), {M, K});
+  eb.insert(eb.end(), {K, N});
+  // Broadcast and flatten batch dims (copies only when a batch dim is broadcast or strided).
+  auto as3 = [&](const Tensor& t, const Shape& e, int64_t r, int64_t c) {
+    Tensor x = t.detach();
+    if (x.shape() != e) x = x.expand(e);
+    return x.dim() == 3 ? x : x.reshape({B, r, c});
+  };
+  Tensor out = kernels::gemm(as3(a, ea, M, K), as3(b, eb, K, N), Tensor(), a.dtype());
+  Shape oshape = batch;
+  oshape.insert(oshape.end(), {M, N});
+  out = out.view(oshape);
+  out = make_view(out, out.shape(), out.strides(), out.offset());
+  record("MatmulBackward", {a, b}, {out}, [a = a.detach(), b = b.detach(), ra = a.requires_grad(), rb = b.requires_grad()](const G& g) {
+    Tensor ga, gb;
+    if (ra) ga = sum_to(matmul(g[0], b.transpose(-1, -2)), a.shape());
+    if (rb) gb = sum_to(matmul(a.transpose(-1, -2), g[0]), b.shape());
+    return G{ga, gb};
+  });
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_pair(x, weight, "linear");
+  TANDEM_CHECK(weight.dim() == 2, ShapeError, "linear: weight must be 2-d (out_features, in_features), got {}",
+               shape_str(weight.shape()));
+  TANDEM_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), ShapeError,
+               "linear: input of shape {} has {} features, weight {} expects {}", shape_str(x.shape()),
+               x.dim() ? x.size(-1) : 0, shape_str(weight.shape()), weight.size(1));
+  if (bias.defined()) {
+    TANDEM_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), ShapeError,
+                 "linear: bias of shape {} for weight {} (expected [{}])", shape_str(bias.shape()),
+                 shape_str(weight.shape()), weight.size(0));
+  }
+  const int64_t in = weight.size(1), outf = weight.size(0);
+  const Tensor x2 = x.detach().reshape({-1, in});
+  const int64_t M = x2.size(0);
+  // y = x W^T (+ b): W^T is W's transposed view, bias added by oneDNN in the same pass.
+  Tensor y = kernels::gemm(x2.unsqueeze(0), weight.detach().t().unsqueeze(0), bias.defined() ? bias.detach() : Tensor(),
+                           x.dtype());
+  Shape oshape(x.shape().begin(), x.shape().end() - 1);
+  oshape.push_back(outf);
+  Tensor out = make_view(y, oshape, contiguous_strides(oshape), 0);
+  const bool rx = x.requires_grad(), rw = weight.requires_grad(), rb = bias.defined() && bias.requires_grad();
+  std::vector<Tensor> inputs{x, weight};
+  if (bias.defined()) inputs.push_back(bias);
+  record("LinearBackward", inputs, {out}, [x2, w = weight.detach(), xshape = x.shape(), rx, rw, rb, has_bias = bias.defined(), M, outf](const G& g) {
+    const Tensor g2 = g[0].reshape({M, outf});
+    G grads(has_bias ? 3 : 2);
+    if (rx) grads[0] = mm_raw(g2, w).view(xshape);     // (M, out) @ (out, in)
+    if (rw) grads[1] = mm_raw(g2.t(), x2);             // (out, M) @ (M, in)
+    if (rb) grads[2] = sum_to(g2, {outf});
+    return grads;
+  });
+  return out;
+}
+
+}  // namespace tandem::ops

@@ -1,0 +1,89 @@
+// Reductions with their backward beside them.
+#include "tandem/ops/reduce.h"
+
+#include "tandem/autograd/node.h"
+#include "tandem/kernels/cpu/loops.h"
+#include "tandem/kernels/cpu/reduce.h"
+#include "tandem/ops/elementwise.h"
+
+namespace tandem::ops {
+
+using autograd::record;
+using G = std::vector<Tensor>;
+
+namespace {
+
+void check_floating(const Tensor& x, const char* op) {
+  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "{}: expected a floating-point tensor, got {}", op,
+               dtype_name(x.dtype()));
+}
+
+// Re-inserts reduced dims as size 1 so that a gradient broadcasts back over the input.
+Tensor unsqueeze_reduced(const Tensor& g, const Shape& in_shape, const std::vector<int64_t>& dims, bool keepdim) {
+  if (keepdim) return g;
+  return g.reshape(kernels::reduced_shape(in_shape, dims, true));
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
+  check_floating(x, "sum");
+  const std::vector<int64_t> dims = kernels::reduction_dims(dims_in, x.dim(), "sum");
+  Tensor out = kernels::sum(x, dims, keepdim, x.dtype());
+  record("SumBackward", {x}, {out}, [in_shape = x.shape(), dims, keepdim](const G& g) {
+    return G{unsqueeze_reduced(g[0], in_shape, dims, keepdim).expand(in_shape).contiguous()};
+  });
+  return out;
+}
+
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
+  check_floating(x, "mean");
+  const std::vector<int64_t> dims = kernels::reduction_dims(dims_in, x.dim(), "mean");
+  int64_t count = 1;
+  for (int64_t d : dims) count *= x.size(d);
+  Tensor s = kernels::sum(x, dims, keepdim, x.dtype() == kFloat64 ? kFloat64 : kFloat32);
+  s.mul_(1.0 / static_cast<double>(count));
+  Tensor out = s.to(x.dtype());  // 16-bit inputs: f32 statistics, rounded once
+  record("MeanBackward", {x}, {out}, [in_shape = x.shape(), dims, keepdim, count](const G& g) {
+    return G{mul(unsqueeze_reduced(g[0], in_shape, dims, keepdim).expand(in_shape), 1.0 / static_cast<double>(count))};
+  });
+  return out;
+}
+
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
+  const int64_t d = wrap_dim(dim, x.dim(), "max");
+  auto [values, indices] = kernels::max_dim(x, d, keepdim);
+  if (is_floating(x.dtype())) {
+    record("MaxBackward", {x}, {values}, [in_shape = x.shape(), d, keepdim, indices](const G& g) {
+      // Scatter each gradient to the position of its maximum.
+      Tensor gi = zeros(in_shape, g[0].dtype());
+      const Shape kshape = kernels::reduced_shape(in_shape, {d}, true);
+      const Tensor gv = g[0].reshape(kshape).contiguous();
+      const Tensor ix = indices.reshape(kshape).contiguous();
+      const int64_t outer = shape_numel(Shape(in_shape.begin(), in_shape.begin() + d));
+      const int64_t n = in_shape.empty() ? 1 : in_shape[d];
+      const int64_t inner = shape_numel(Shape(in_shape.begin() + (in_shape.empty() ? 0 : d + 1), in_shape.end()));
+      const int64_t* pi = ix.data_ptr<int64_t>();
+      TANDEM_DISPATCH_FLOATING(gi.dtype(), "max backward", [&] {
+        auto* dst = static_cast<scalar_t*>(gi.data_ptr());
+        const auto* src = static_cast<const scalar_t*>(gv.data_ptr());
+        for (int64_t o = 0; o < outer; ++o)
+          for (int64_t i = 0; i < inner; ++i) dst[(o * n + pi[o * inner + i]) * inner + i] = src[o * inner + i];
+      });
+      return G{gi};
+    });
+  }
+  return {values, indices};
+}
+
+Tensor max(const Tensor& x) {
+  TANDEM_CHECK(x.numel() > 0, ShapeError, "max: the input is empty (shape {})", shape_str(x.shape()));
+  return max(x.reshape({-1}), 0, false).first;
+}
+
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
+  const int64_t d = wrap_dim(dim, x.dim(), "argmax");
+  return kernels::max_dim(x.detach(), d, keepdim).second;
+}
+
+}  // namespace tandem::ops

@@ -1,0 +1,43 @@
+// Adam and AdamW with PyTorch's update rule (bias-corrected moments, eps outside the sqrt,
+// optional amsgrad). Adam adds weight decay to the gradient; AdamW decays the weights.
+#pragma once
+
+#include "tandem/optim/optimizer.h"
+
+namespace tandem::optim {
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // AdamW's default is 1e-2 (see AdamW)
+  bool amsgrad = false;
+  bool maximize = false;
+};
+
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<Tensor> params, AdamOptions options = {});
+  Adam(std::vector<ParamGroup> groups, AdamOptions options = {});
+  void step() override;
+
+ protected:
+  Adam(std::vector<ParamGroup> groups, AdamOptions options, std::string name, bool decoupled);
+
+ private:
+  bool decoupled_;
+};
+
+class AdamW : public Adam {
+ public:
+  static AdamOptions defaults() {
+    AdamOptions o;
+    o.weight_decay = 1e-2;
+    return o;
+  }
+  AdamW(std::vector<Tensor> params, AdamOptions options = defaults());
+  AdamW(std::vector<ParamGroup> groups, AdamOptions options = defaults());
+};
+
+}  // namespace tandem::optim

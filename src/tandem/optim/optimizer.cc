@@ -1,0 +1,103 @@
+#include "tandem/optim/optimizer.h"
+
+#include <set>
+
+#include "tandem/autograd/grad_mode.h"
+
+namespace tandem::optim {
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, Options defaults, std::string name)
+    : name_(std::move(name)), defaults_(std::move(defaults)) {
+  TANDEM_CHECK(!groups.empty(), ValueError, "{}: got an empty parameter list", name_);
+  for (auto& g : groups) add_param_group(std::move(g));
+}
+
+void Optimizer::add_param_group(ParamGroup group) {
+  std::set<const TensorImpl*> seen;
+  for (const auto& g : groups_)
+    for (const auto& p : g.params) seen.insert(&p.impl());
+  for (const Tensor& p : group.params) {
+    TANDEM_CHECK(p.defined() && p.is_leaf(), ValueError, "{}: can only optimize defined leaf tensors", name_);
+    TANDEM_CHECK(is_floating(p.dtype()), DTypeError, "{}: parameter of dtype {} is not floating-point", name_,
+                 dtype_name(p.dtype()));
+    TANDEM_CHECK(seen.insert(&p.impl()).second, ValueError,
+                 "{}: some parameters appear in more than one parameter group{}", name_,
+                 p.name().empty() ? "" : " (\"" + p.name() + "\")");
+  }
+  for (const auto& [key, value] : group.options) {
+    TANDEM_CHECK(defaults_.count(key), ValueError, "{}: unknown option \"{}\" in a parameter group", name_, key);
+  }
+  for (const auto& [key, value] : defaults_) group.options.emplace(key, value);
+  groups_.push_back(std::move(group));
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  for (auto& g : groups_) {
+    for (auto& p : g.params) {
+      if (!p.grad().defined()) continue;
+      if (set_to_none) {
+        p.set_grad(Tensor());
+      } else {
+        NoGradGuard no_grad;
+        Tensor grad = p.grad();
+        grad.zero_();
+      }
+    }
+  }
+}
+
+double Optimizer::option(const ParamGroup& g, const std::string& key) const {
+  auto it = g.options.find(key);
+  TANDEM_CHECK(it != g.options.end(), ValueError, "{}: missing option \"{}\"", name_, key);
+  return it->second;
+}
+
+std::map<std::string, Tensor>& Optimizer::state_of(const Tensor& param) { return state_[&param.impl()]; }
+
+OptimizerState Optimizer::state_dict() const {
+  OptimizerState out;
+  for (const auto& g : groups_) {
+    out.param_groups.push_back(g.options);
+    for (const auto& p : g.params) {
+      std::map<std::string, Tensor> copy;
+      if (auto it = state_.find(&p.impl()); it != state_.end()) {
+        for (const auto& [k, v] : it->second) copy[k] = v.clone();
+      }
+      out.state.push_back(std::move(copy));
+    }
+  }
+  return out;
+}
+
+void Optimizer::load_state_dict(const OptimizerState& s) {
+  TANDEM_CHECK(s.param_groups.size() == groups_.size(), ValueError,
+               "{}.load_state_dict: the state has {} parameter groups, the optimizer has {}", name_,
+               s.param_groups.size(), groups_.size());
+  size_t total = 0;
+  for (const auto& g : groups_) total += g.params.size();
+  TANDEM_CHECK(s.state.size() == total, ValueError,
+               "{}.load_state_dict: the state covers {} parameters, the optimizer has {}", name_, s.state.size(), total);
+  size_t i = 0;
+  for (const auto& g : groups_) {
+    for (const auto& p : g.params) {
+      for (const auto& [k, v] : s.state[i]) {
+        TANDEM_CHECK(v.numel() == 1 || v.shape() == p.shape(), ValueError,
+                     "{}.load_state_dict: state \"{}\" of parameter {} has shape {}, the parameter has {}", name_, k,
+                     i, shape_str(v.shape()), shape_str(p.shape()));
+      }
+      ++i;
+    }
+  }
+  i = 0;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    groups_[gi].options = s.param_groups[gi];
+    for (const auto& p : groups_[gi].params) {
+      auto& st = state_[&p.impl()];
+      st.clear();
+      for (const auto& [k, v] : s.state[i]) st[k] = v.clone();
+      ++i;
+    }
+  }
+}
+
+}  // namespace tandem::optim

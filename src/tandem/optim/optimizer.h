@@ -1,0 +1,60 @@
+// Optimizer base: parameter groups with per-group hyperparameters (PyTorch's param_groups),
+// per-parameter state, zero_grad and state_dict. Updates run without autograd, in the
+// parameter's dtype for f32/f64 (FP32 master copies for low-precision parameters come in #4).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tandem/core/tensor.h"
+
+namespace tandem::optim {
+
+// Hyperparameters by PyTorch's names: "lr", "momentum", "weight_decay", "beta1", "beta2", ...
+using Options = std::map<std::string, double>;
+
+struct ParamGroup {
+  std::vector<Tensor> params;
+  Options options;  // missing keys take the optimizer's defaults
+};
+
+// Everything an optimizer needs to resume: per-parameter state (by index over all groups, in
+// order) and each group's hyperparameters.
+struct OptimizerState {
+  std::vector<std::map<std::string, Tensor>> state;  // tensors are copies
+  std::vector<Options> param_groups;
+};
+
+class Optimizer {
+ public:
+  Optimizer(std::vector<ParamGroup> groups, Options defaults, std::string name);
+  virtual ~Optimizer() = default;
+
+  // One update of every parameter that has a gradient.
+  virtual void step() = 0;
+  // Drops (set_to_none, the default, as in PyTorch 2) or zeroes every gradient.
+  void zero_grad(bool set_to_none = true);
+
+  void add_param_group(ParamGroup group);
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  const std::string& name() const { return name_; }
+
+  OptimizerState state_dict() const;
+  // Throws ValueError naming the group/parameter when the structure or a shape differs.
+  void load_state_dict(const OptimizerState& state);
+
+ protected:
+  // Per-parameter state, created empty on first use.
+  std::map<std::string, Tensor>& state_of(const Tensor& param);
+  double option(const ParamGroup& g, const std::string& key) const;
+
+ private:
+  std::string name_;
+  Options defaults_;
+  std::vector<ParamGroup> groups_;
+  std::map<const TensorImpl*, std::map<std::string, Tensor>> state_;
+};
+
+}  // namespace tandem::optim
