@@ -1,0 +1,68 @@
+// Shared helpers for Tandem's tests: closeness assertions, a finite-difference gradient
+// checker, and the bridge to the PyTorch oracle (tensor files + running /usr/bin/python3).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tandem/tandem.h"
+
+namespace tandem::testing {
+
+// Every element: |a - b| <= atol + rtol * |b| (NaNs must match). Reports the worst element.
+::testing::AssertionResult all_close(const Tensor& actual, const Tensor& expected, double rtol, double atol);
+#define EXPECT_ALL_CLOSE(a, b, rtol, atol) EXPECT_TRUE(::tandem::testing::all_close((a), (b), (rtol), (atol)))
+
+// Checks the analytic gradient of `fn` against central finite differences. Inputs must be f64
+// leaves; the output is reduced to a scalar with fixed random weights so that every output
+// element's gradient is exercised. Returns the worst |analytic - numeric| seen.
+struct GradcheckOptions {
+  double eps = 1e-6;
+  double atol = 1e-5;
+  double rtol = 1e-3;
+};
+::testing::AssertionResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                                     const std::vector<Tensor>& inputs, const GradcheckOptions& options = {});
+
+// A leaf f64 tensor with values uniform in [lo, hi), requiring grad.
+Tensor leaf(const Shape& shape, double lo = -1.0, double hi = 1.0, uint64_t seed = 0, DType dtype = kFloat64);
+
+// ---- PyTorch oracle ----
+// "/usr/bin/python3" (or $TANDEM_TORCH_PYTHON) when it can import torch, else "".
+const std::string& torch_python();
+#define TANDEM_REQUIRE_TORCH()                                                                         \
+  do {                                                                                                 \
+    if (::tandem::testing::torch_python().empty())                                                     \
+      GTEST_SKIP() << "needs PyTorch as the oracle: install python3-torch (scripts/install-deps.sh)";  \
+  } while (0)
+
+// A fresh empty directory under the system temp dir, removed by the destructor.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Tensor files shared with tests/oracle/tensor_io.py: `dir/manifest.json` maps each name to
+// {"dtype": "float32"|"float64"|"int64"|..., "shape": [...], "file": "<name>.bin"}, the .bin
+// holding the contiguous little-endian elements.
+void save_tensors(const std::string& dir, const std::vector<std::pair<std::string, Tensor>>& tensors);
+std::vector<std::pair<std::string, Tensor>> load_tensors(const std::string& dir);
+Tensor find_tensor(const std::vector<std::pair<std::string, Tensor>>& tensors, const std::string& name);
+
+// Runs `python script args...` with the torch Python, from the source tree's tests/oracle dir.
+// Returns the exit status; output goes to the test log.
+int run_oracle(const std::string& script, const std::vector<std::string>& args);
+
+// Path of a file in the source tree.
+std::string source_path(const std::string& relative);
+
+}  // namespace tandem::testing
