@@ -116,7 +116,7 @@ int main(int argc, char** argv) try {
       const int64_t len = std::min(args.batch_size, n - start);
       const td::Tensor idx = order.narrow(0, start, len);
       const td::Tensor x = td::ops::index_select(x_train, 0, idx);
-      const td::Tensor y = td::ops::index_select(y_train.to(td::kFloat64), 0, idx).to(td::kInt64);
+      const td::Tensor y = td::ops::index_select(y_train, 0, idx);
       opt.zero_grad();
       td::Tensor loss = td::ops::cross_entropy((*model)(x), y);
       loss.backward();

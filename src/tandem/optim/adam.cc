@@ -4,6 +4,7 @@
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/optim_kernels.h"
 
 namespace tandem::optim {
 namespace {
@@ -65,6 +66,22 @@ void Adam::step() {
       const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
       Tensor m = st["exp_avg"], v = st["exp_avg_sq"];
       Tensor vmax = amsgrad ? st["max_exp_avg_sq"] : Tensor();
+      if (p.dtype() == kFloat32) {
+        const kernels::AdamParams k{.one_minus_beta1 = static_cast<float>(1.0 - b1),
+                                    .beta2 = static_cast<float>(b2),
+                                    .one_minus_beta2 = static_cast<float>(1.0 - b2),
+                                    .eps = static_cast<float>(eps),
+                                    .weight_decay = static_cast<float>(wd),
+                                    .decoupled_decay = static_cast<float>(1.0 - lr * wd),
+                                    .step_size = static_cast<float>(step_size),
+                                    .bias_correction2_sqrt = static_cast<float>(bc2_sqrt),
+                                    .decoupled = decoupled_,
+                                    .amsgrad = amsgrad,
+                                    .maximize = maximize};
+        kernels::adam_update_f32(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                                 vmax.defined() ? vmax.data_ptr<float>() : nullptr, p.numel(), k);
+        continue;
+      }
       TANDEM_DISPATCH_FLOATING(p.dtype(), "Adam.step", [&] {
         using T = scalar_t;
         using C = compute_t<T>;

@@ -2,6 +2,7 @@
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/optim_kernels.h"
 
 namespace tandem::optim {
 namespace {
@@ -42,6 +43,18 @@ void SGD::step() {
       const bool first = momentum != 0 && !st.count("momentum_buffer");
       if (momentum != 0 && first) st["momentum_buffer"] = empty(p.shape(), p.dtype());
       Tensor buf = momentum != 0 ? st["momentum_buffer"] : Tensor();
+      if (p.dtype() == kFloat32) {
+        const kernels::SgdParams k{.lr = static_cast<float>(lr),
+                                   .momentum = static_cast<float>(momentum),
+                                   .weight_decay = static_cast<float>(wd),
+                                   .one_minus_dampening = static_cast<float>(1.0 - dampening),
+                                   .nesterov = nesterov,
+                                   .maximize = maximize,
+                                   .first_step = first};
+        kernels::sgd_update_f32(p.data_ptr<float>(), g.data_ptr<float>(), buf.defined() ? buf.data_ptr<float>() : nullptr,
+                                p.numel(), k);
+        continue;
+      }
       TANDEM_DISPATCH_FLOATING(p.dtype(), "SGD.step", [&] {
         using T = scalar_t;
         using C = compute_t<T>;

@@ -1,0 +1,118 @@
+#include "tandem/kernels/cpu/optim_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tandem/core/parallel.h"
+
+namespace tandem::kernels {
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;
+
+// The per-case loops are templated on the flags so that each compiles to a branch-free,
+// vectorised body.
+template <bool kMomentum, bool kNesterov, bool kFirst, bool kDecay, bool kMaximize>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void sgd_loop(float* __restrict p, const float* __restrict g, float* __restrict buf, int64_t n, float lr, float momentum,
+              float one_minus_dampening, float wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    float d = kMaximize ? -g[i] : g[i];
+    if constexpr (kDecay) d = d + wd * p[i];
+    if constexpr (kMomentum) {
+      const float b = kFirst ? d : buf[i] * momentum + one_minus_dampening * d;
+      buf[i] = b;
+      d = kNesterov ? d + momentum * b : b;
+    }
+    p[i] = p[i] + (-lr) * d;
+  }
+}
+
+template <bool kMomentum, bool kNesterov, bool kFirst, bool kDecay>
+void sgd_dispatch_maximize(float* p, const float* g, float* buf, int64_t n, const SgdParams& o) {
+  auto run = [&](auto loop) { loop(p, g, buf, n, o.lr, o.momentum, o.one_minus_dampening, o.weight_decay); };
+  if (o.maximize) run(sgd_loop<kMomentum, kNesterov, kFirst, kDecay, true>);
+  else run(sgd_loop<kMomentum, kNesterov, kFirst, kDecay, false>);
+}
+
+template <bool kMomentum, bool kNesterov, bool kFirst>
+void sgd_dispatch_decay(float* p, const float* g, float* buf, int64_t n, const SgdParams& o) {
+  if (o.weight_decay != 0) sgd_dispatch_maximize<kMomentum, kNesterov, kFirst, true>(p, g, buf, n, o);
+  else sgd_dispatch_maximize<kMomentum, kNesterov, kFirst, false>(p, g, buf, n, o);
+}
+
+template <bool kDecoupled, bool kDecay, bool kAmsgrad, bool kMaximize>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void adam_loop(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+               float* __restrict vmax, int64_t n, float w1, bool lerp_low, float beta2, float one_minus_beta2, float wd,
+               float decay, float eps, float bc2_sqrt, float neg_step) {
+  for (int64_t i = 0; i < n; ++i) {
+    float gv = kMaximize ? -g[i] : g[i];
+    float pv = p[i];
+    if constexpr (kDecay) {
+      if constexpr (kDecoupled) pv = pv * decay;
+      else gv = gv + wd * pv;
+    }
+    // exp_avg.lerp_(grad, 1 - beta1), as torch computes lerp for weights below / above 0.5
+    const float mv = lerp_low ? m[i] + w1 * (gv - m[i]) : gv - (gv - m[i]) * (1.0f - w1);
+    const float vv = v[i] * beta2 + one_minus_beta2 * gv * gv;
+    m[i] = mv;
+    v[i] = vv;
+    float s = vv;
+    if constexpr (kAmsgrad) {
+      s = std::max(vmax[i], vv);
+      vmax[i] = s;
+    }
+    const float denom = std::sqrt(s) / bc2_sqrt + eps;
+    p[i] = pv + neg_step * mv / denom;
+  }
+}
+
+template <bool kDecoupled, bool kDecay, bool kAmsgrad>
+void adam_dispatch(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamParams& o) {
+  const float w1 = o.one_minus_beta1;
+  auto run = [&](auto loop) {
+    loop(p, g, m, v, vmax, n, w1, w1 < 0.5f, o.beta2, o.one_minus_beta2, o.weight_decay, o.decoupled_decay, o.eps,
+         o.bias_correction2_sqrt, -o.step_size);
+  };
+  if (o.maximize) run(adam_loop<kDecoupled, kDecay, kAmsgrad, true>);
+  else run(adam_loop<kDecoupled, kDecay, kAmsgrad, false>);
+}
+
+}  // namespace
+
+void sgd_update_f32(float* p, const float* g, float* buf, int64_t n, const SgdParams& o) {
+  parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) {
+    float* pp = p + lo;
+    const float* gp = g + lo;
+    float* bp = buf ? buf + lo : nullptr;
+    const int64_t len = hi - lo;
+    if (o.momentum == 0) {
+      sgd_dispatch_decay<false, false, false>(pp, gp, bp, len, o);
+    } else if (o.first_step) {
+      if (o.nesterov) sgd_dispatch_decay<true, true, true>(pp, gp, bp, len, o);
+      else sgd_dispatch_decay<true, false, true>(pp, gp, bp, len, o);
+    } else {
+      if (o.nesterov) sgd_dispatch_decay<true, true, false>(pp, gp, bp, len, o);
+      else sgd_dispatch_decay<true, false, false>(pp, gp, bp, len, o);
+    }
+  });
+}
+
+void adam_update_f32(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamParams& o) {
+  parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) {
+    float* vm = vmax ? vmax + lo : nullptr;
+    const int64_t len = hi - lo;
+    const bool decay = o.weight_decay != 0;
+    auto go = [&](auto fn) { fn(p + lo, g + lo, m + lo, v + lo, vm, len, o); };
+    if (o.decoupled) {
+      if (decay) o.amsgrad ? go(adam_dispatch<true, true, true>) : go(adam_dispatch<true, true, false>);
+      else o.amsgrad ? go(adam_dispatch<true, false, true>) : go(adam_dispatch<true, false, false>);
+    } else {
+      if (decay) o.amsgrad ? go(adam_dispatch<false, true, true>) : go(adam_dispatch<false, true, false>);
+      else o.amsgrad ? go(adam_dispatch<false, false, true>) : go(adam_dispatch<false, false, false>);
+    }
+  });
+}
+
+}  // namespace tandem::kernels
