@@ -61,6 +61,9 @@ class Tensor {
   size_t element_size() const { return tandem::element_size(dtype()); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * element_size(); }
   bool is_contiguous() const;
+  // True when the elements fill a gap-free block exactly once in some dimension order (e.g.
+  // contiguous, or channels-last): then elementwise work can walk memory linearly.
+  bool is_non_overlapping_and_dense() const;
   const std::shared_ptr<Storage>& storage() const { return impl().storage; }
   // Pointer to the first element.
   void* data_ptr() const;
@@ -148,6 +151,11 @@ int64_t wrap_dim(int64_t d, int64_t ndim, const char* op);
 
 // ---- factories (no autograd history; requires_grad_() afterwards for leaves) ----
 Tensor empty(const Shape& shape, DType dtype = kFloat32);
+// Uninitialised with the given strides (which must describe a dense, non-overlapping layout).
+Tensor empty_strided(const Shape& shape, const Shape& strides, DType dtype = kFloat32);
+// Same shape; x's strides kept when x is dense (channels-last stays channels-last), else contiguous.
+Tensor empty_like(const Tensor& x, DType dtype);
+inline Tensor empty_like(const Tensor& x) { return empty_like(x, x.dtype()); }
 Tensor zeros(const Shape& shape, DType dtype = kFloat32);
 Tensor ones(const Shape& shape, DType dtype = kFloat32);
 Tensor full(const Shape& shape, double value, DType dtype = kFloat32);

@@ -1,29 +1,18 @@
 #include "tandem/kernels/cpu/gemm.h"
 
-#include <omp.h>
-
 #include <mutex>
 #include <string>
 #include <unordered_map>
 
-#include <oneapi/dnnl/dnnl.hpp>
+#include "tandem/kernels/cpu/dnnl_common.h"
 
 #include "tandem/core/parallel.h"
 
 namespace tandem::kernels {
 namespace {
 
-dnnl::memory::data_type dnnl_type(DType t) {
-  switch (t) {
-    case DType::f32: return dnnl::memory::data_type::f32;
-    case DType::bf16: return dnnl::memory::data_type::bf16;
-    case DType::f16: return dnnl::memory::data_type::f16;
-    default: throw DTypeError(fmt::format("gemm: oneDNN path does not take {}", dtype_name(t)));
-  }
-}
-
 struct Runtime {
-  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::engine& engine = dnnl_engine();
   std::mutex mu;
   std::unordered_map<std::string, dnnl::matmul> cache;
 };
@@ -76,14 +65,14 @@ void gemm_dnnl(const Tensor& a0, const Tensor& b0, const Tensor& bias, Tensor& c
                                       static_cast<int>(a.dtype()), static_cast<int>(c.dtype()),
                                       bias.defined() ? static_cast<int>(bias.dtype()) : -1, 0);
   Runtime& rt = runtime();
-  const dnnl::memory::desc a_md(a_dims, dnnl_type(a.dtype()), a_str);
-  const dnnl::memory::desc b_md(b_dims, dnnl_type(b.dtype()), b_str);
-  const dnnl::memory::desc c_md(c_dims, dnnl_type(c.dtype()), c_str);
+  const dnnl::memory::desc a_md(a_dims, dnnl_type(a.dtype(), "matmul"), a_str);
+  const dnnl::memory::desc b_md(b_dims, dnnl_type(b.dtype(), "matmul"), b_str);
+  const dnnl::memory::desc c_md(c_dims, dnnl_type(c.dtype(), "matmul"), c_str);
   dnnl::memory::desc bias_md;
   Tensor bias_c;
   if (bias.defined()) {
     bias_c = bias.contiguous();
-    bias_md = dnnl::memory::desc({1, 1, N}, dnnl_type(bias_c.dtype()), dims{N, N, 1});
+    bias_md = dnnl::memory::desc({1, 1, N}, dnnl_type(bias_c.dtype(), "matmul"), dims{N, N, 1});
   }
   dnnl::matmul prim;
   {
@@ -97,15 +86,13 @@ void gemm_dnnl(const Tensor& a0, const Tensor& b0, const Tensor& bias, Tensor& c
     }
     prim = it->second;
   }
-  // oneDNN threads through OpenMP, whose thread count is per calling thread.
-  const int threads = get_num_threads();
-  if (omp_get_max_threads() != threads) omp_set_num_threads(threads);
+  dnnl_sync_threads();
   std::unordered_map<int, dnnl::memory> args{
       {DNNL_ARG_SRC, dnnl::memory(a_md, rt.engine, a.data_ptr())},
       {DNNL_ARG_WEIGHTS, dnnl::memory(b_md, rt.engine, b.data_ptr())},
       {DNNL_ARG_DST, dnnl::memory(c_md, rt.engine, c.data_ptr())}};
   if (bias.defined()) args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_md, rt.engine, bias_c.data_ptr()));
-  thread_local dnnl::stream stream(rt.engine);  // one per thread: streams are not shared
+  dnnl::stream& stream = dnnl_stream();
   prim.execute(stream, args);
   stream.wait();
 }

@@ -1,7 +1,8 @@
 // Elementwise loop machinery for CPU kernels: broadcasting, strided iteration over rows,
 // dtype dispatch, and run-time splitting over the intra-op pool. Kernels are written as
 // functors on compute_t<T> (float for bf16/f16); loads and stores convert.
-// Invariant: outputs are freshly allocated and contiguous; inputs may be any strided view.
+// Invariant: outputs are freshly allocated, contiguous or in the dense layout of their input
+// (channels-last stays channels-last); inputs may be any strided view.
 #pragma once
 
 #include <algorithm>
@@ -93,10 +94,10 @@ inline compute_t<T> load(const char* p) {
 // out = f(x), same dtype as x (or `out_dtype` for predicates), contiguous.
 template <class F>
 Tensor unary_op(const Tensor& x, const char* name, F f) {
-  Tensor out = empty(x.shape(), x.dtype());
+  Tensor out = empty_like(x);
   TANDEM_DISPATCH_FLOATING(x.dtype(), name, [&] {
     using T = scalar_t;
-    if (x.is_contiguous()) {
+    if (x.is_non_overlapping_and_dense()) {  // out has x's strides: walk both linearly
       const T* in = static_cast<const T*>(x.data_ptr());
       T* o = static_cast<T*>(out.data_ptr());
       parallel_for(0, x.numel(), kElementwiseGrain, [&](int64_t b, int64_t e) {
@@ -121,10 +122,11 @@ Tensor binary_op(const Tensor& a, const Tensor& b, const char* name, F f) {
   TANDEM_CHECK(a.dtype() == b.dtype(), DTypeError, "{}: dtypes differ ({} vs {})", name, dtype_name(a.dtype()),
                dtype_name(b.dtype()));
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
-  Tensor out = empty(shape, a.dtype());
+  const bool same_dense = a.shape() == b.shape() && a.strides() == b.strides() && a.is_non_overlapping_and_dense();
+  Tensor out = same_dense ? empty_like(a) : empty(shape, a.dtype());
   TANDEM_DISPATCH_FLOATING(a.dtype(), name, [&] {
     using T = scalar_t;
-    if (a.is_contiguous() && b.is_contiguous() && a.shape() == b.shape()) {
+    if (same_dense || (a.is_contiguous() && b.is_contiguous() && a.shape() == b.shape())) {
       const T* pa = static_cast<const T*>(a.data_ptr());
       const T* pb = static_cast<const T*>(b.data_ptr());
       T* o = static_cast<T*>(out.data_ptr());

@@ -1,0 +1,401 @@
+// batch_norm, layer_norm and group_norm with their backward beside them.
+//
+// All three are written over one view of the data, (outer, C, inner): element (o, c, i) at
+// o * C * inner + c * inner + i. An NCHW-contiguous tensor is (N, C, H*W); a channels-last one
+// is (N*H*W, C, 1); layer_norm rows are (rows, 1, D). Statistics are taken per channel c
+// (batch_norm) or per outer index (layer/group norm).
+#include "tandem/ops/norm.h"
+
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "tandem/autograd/node.h"
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/conv.h"
+
+namespace tandem::ops {
+
+using autograd::record;
+using G = std::vector<Tensor>;
+
+namespace {
+
+struct Layout {
+  int64_t outer, C, inner;
+};
+
+// x (N, C, *) as (outer, C, inner), with x possibly replaced by a contiguous copy.
+Layout channel_layout(Tensor& x) {
+  const int64_t N = x.size(0), C = x.dim() > 1 ? x.size(1) : 1;
+  const int64_t S = x.numel() / std::max<int64_t>(N * C, 1);
+  if (x.dim() == 4 && !x.is_contiguous() && x.is_non_overlapping_and_dense() && x.stride(1) == 1) {
+    const Shape cl = kernels::channels_last_strides(x.shape());
+    bool channels_last = true;
+    for (int d = 0; d < 4; ++d) channels_last &= x.size(d) == 1 || x.stride(d) == cl[d];
+    if (channels_last) return {N * S, C, 1};
+  }
+  x = x.contiguous();
+  return {N, C, S};
+}
+
+template <class T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Per-channel mean and biased variance (two passes, f64 accumulation).
+template <class T>
+void channel_stats(const T* x, const Layout& l, std::vector<double>& mean, std::vector<double>& var) {
+  mean.assign(static_cast<size_t>(l.C), 0.0);
+  var.assign(static_cast<size_t>(l.C), 0.0);
+  const double n = static_cast<double>(l.outer * l.inner);
+  for (int64_t o = 0; o < l.outer; ++o)
+    for (int64_t c = 0; c < l.C; ++c) {
+      const T* p = x + (o * l.C + c) * l.inner;
+      double s = 0;
+      for (int64_t i = 0; i < l.inner; ++i) s += static_cast<double>(static_cast<compute_t<T>>(p[i]));
+      mean[c] += s;
+    }
+  for (auto& m : mean) m /= n;
+  for (int64_t o = 0; o < l.outer; ++o)
+    for (int64_t c = 0; c < l.C; ++c) {
+      const T* p = x + (o * l.C + c) * l.inner;
+      const double m = mean[c];
+      double s = 0;
+      for (int64_t i = 0; i < l.inner; ++i) {
+        const double d = static_cast<double>(static_cast<compute_t<T>>(p[i])) - m;
+        s += d * d;
+      }
+      var[c] += s;
+    }
+  for (auto& v : var) v /= n;
+}
+
+std::vector<double> values_or(const Tensor& t, int64_t n, double fill) {
+  return t.defined() ? t.to_vector() : std::vector<double>(static_cast<size_t>(n), fill);
+}
+
+void check_param(const Tensor& t, int64_t C, const char* what, const char* op) {
+  if (!t.defined()) return;
+  TANDEM_CHECK(t.numel() == C, ShapeError, "{}: {} has {} elements, expected {} (one per channel)", op, what, t.numel(), C);
+}
+
+}  // namespace
+
+Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "batch_norm: expected an input of shape (N, C, *), got {}",
+               shape_str(x_in.shape()));
+  TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "batch_norm: expected a floating input, got {}",
+               dtype_name(x_in.dtype()));
+  const int64_t C = x_in.size(1);
+  check_param(weight, C, "weight", "batch_norm");
+  check_param(bias, C, "bias", "batch_norm");
+  check_param(running_mean, C, "running_mean", "batch_norm");
+  check_param(running_var, C, "running_var", "batch_norm");
+  TANDEM_CHECK(training || (running_mean.defined() && running_var.defined()), ValueError,
+               "batch_norm: evaluation mode needs running_mean and running_var");
+  Tensor x = x_in.detach();
+  const Layout l = channel_layout(x);
+  const int64_t count = l.outer * l.inner;
+  TANDEM_CHECK(!training || count > 1, ValueError,
+               "batch_norm: expected more than 1 value per channel when training, got input of shape {}",
+               shape_str(x_in.shape()));
+  // ---- statistics ----
+  std::vector<double> mean, var;
+  if (training) {
+    TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] { channel_stats(static_cast<const scalar_t*>(x.data_ptr()), l, mean, var); });
+    if (running_mean.defined() && running_var.defined()) {
+      NoGradGuard no_grad;
+      const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
+      std::vector<double> rm = running_mean.to_vector(), rv = running_var.to_vector();
+      for (int64_t c = 0; c < C; ++c) {
+        rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
+        rv[c] = (1 - momentum) * rv[c] + momentum * var[c] * unbias;
+      }
+      Tensor rmt = running_mean, rvt = running_var;
+      rmt.copy_(tensor(rm, running_mean.shape(), kFloat64));
+      rvt.copy_(tensor(rv, running_var.shape(), kFloat64));
+    }
+  } else {
+    mean = running_mean.to_vector();
+    var = running_var.to_vector();
+  }
+  std::vector<double> invstd(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) invstd[c] = 1.0 / std::sqrt(var[c] + eps);
+  const std::vector<double> w = values_or(weight, C, 1.0), b = values_or(bias, C, 0.0);
+  // ---- y = (x - mean) * invstd * w + b, as y = x * scale + shift per channel ----
+  Tensor y = empty_like(x);
+  TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] {
+    using T = scalar_t;
+    using A = Acc<T>;
+    std::vector<A> scale(static_cast<size_t>(C)), shift(static_cast<size_t>(C));
+    for (int64_t c = 0; c < C; ++c) {
+      scale[c] = static_cast<A>(invstd[c] * w[c]);
+      shift[c] = static_cast<A>(b[c] - mean[c] * invstd[c] * w[c]);
+    }
+    const T* px = static_cast<const T*>(x.data_ptr());
+    T* py = static_cast<T*>(y.data_ptr());
+    parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(l.C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
+      for (int64_t o = lo; o < hi; ++o)
+        for (int64_t c = 0; c < l.C; ++c) {
+          const int64_t base = (o * l.C + c) * l.inner;
+          for (int64_t i = 0; i < l.inner; ++i)
+            py[base + i] = static_cast<T>(static_cast<A>(px[base + i]) * scale[c] + shift[c]);
+        }
+    });
+  });
+  std::vector<Tensor> inputs{x_in, weight, bias};
+  record("BatchNormBackward", inputs, {y},
+         [x, l, mean, invstd, w, training, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
+          bdt = bias.defined() ? bias.dtype() : kFloat32](const G& g) {
+           Tensor gy = g[0];
+           if (gy.strides() != x.strides()) {
+             Tensor same = empty_strided(x.shape(), x.strides(), gy.dtype());
+             same.copy_(gy);
+             gy = same;
+           }
+           gy = gy.to(x.dtype());
+           const int64_t C = l.C;
+           const double n = static_cast<double>(l.outer * l.inner);
+           std::vector<double> sum_dy(static_cast<size_t>(C), 0.0), sum_dy_xhat(static_cast<size_t>(C), 0.0);
+           Tensor gx = empty_like(x);
+           TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm backward", [&] {
+             using T = scalar_t;
+             using A = Acc<T>;
+             const T* px = static_cast<const T*>(x.data_ptr());
+             const T* pg = static_cast<const T*>(gy.data_ptr());
+             for (int64_t o = 0; o < l.outer; ++o)
+               for (int64_t c = 0; c < C; ++c) {
+                 const int64_t base = (o * C + c) * l.inner;
+                 double s1 = 0, s2 = 0;
+                 for (int64_t i = 0; i < l.inner; ++i) {
+                   const double gv = static_cast<double>(static_cast<A>(pg[base + i]));
+                   s1 += gv;
+                   s2 += gv * (static_cast<double>(static_cast<A>(px[base + i])) - mean[c]);
+                 }
+                 sum_dy[c] += s1;
+                 sum_dy_xhat[c] += s2 * invstd[c];
+               }
+             // Training: gx = w * invstd * (gy - mean(gy) - xhat * mean(gy * xhat)); eval: w * invstd * gy.
+             std::vector<A> k_gy(static_cast<size_t>(C)), k_x(static_cast<size_t>(C)), k_0(static_cast<size_t>(C));
+             for (int64_t c = 0; c < C; ++c) {
+               const double a = w[c] * invstd[c];
+               if (training) {
+                 const double m_dy = sum_dy[c] / n, m_dyx = sum_dy_xhat[c] / n;
+                 // gx = a*gy - a*m_dy - a*invstd*m_dyx*(x - mean)
+                 k_gy[c] = static_cast<A>(a);
+                 k_x[c] = static_cast<A>(-a * invstd[c] * m_dyx);
+                 k_0[c] = static_cast<A>(-a * m_dy + a * invstd[c] * m_dyx * mean[c]);
+               } else {
+                 k_gy[c] = static_cast<A>(a);
+                 k_x[c] = 0;
+                 k_0[c] = 0;
+               }
+             }
+             T* po = static_cast<T*>(gx.data_ptr());
+             parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
+               for (int64_t o = lo; o < hi; ++o)
+                 for (int64_t c = 0; c < C; ++c) {
+                   const int64_t base = (o * C + c) * l.inner;
+                   for (int64_t i = 0; i < l.inner; ++i)
+                     po[base + i] = static_cast<T>(k_gy[c] * static_cast<A>(pg[base + i]) +
+                                                   k_x[c] * static_cast<A>(px[base + i]) + k_0[c]);
+                 }
+             });
+           });
+           Tensor gw = has_w ? tensor(sum_dy_xhat, {C}, wdt) : Tensor();
+           Tensor gb = has_b ? tensor(sum_dy, {C}, bdt) : Tensor();
+           return G{gx, gw, gb};
+         });
+  return y;
+}
+
+namespace {
+
+// Row statistics and normalisation shared by layer_norm and group_norm: x viewed as rows of
+// length D; row r's affine parameter for element j is w[chan(r, j)].
+struct RowNorm {
+  int64_t rows, D;
+  Tensor x;                         // contiguous input
+  std::vector<double> mean, rstd;   // per row
+};
+
+template <class T>
+void row_stats(const T* x, int64_t rows, int64_t D, double eps, std::vector<double>& mean, std::vector<double>& rstd) {
+  mean.resize(static_cast<size_t>(rows));
+  rstd.resize(static_cast<size_t>(rows));
+  parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(D, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* p = x + r * D;
+      double s = 0;
+      for (int64_t j = 0; j < D; ++j) s += static_cast<double>(static_cast<compute_t<T>>(p[j]));
+      const double m = s / static_cast<double>(D);
+      double v = 0;
+      for (int64_t j = 0; j < D; ++j) {
+        const double d = static_cast<double>(static_cast<compute_t<T>>(p[j])) - m;
+        v += d * d;
+      }
+      mean[r] = m;
+      rstd[r] = 1.0 / std::sqrt(v / static_cast<double>(D) + eps);
+    }
+  });
+}
+
+// chan(r, j): index into w/b for row r, element j. `per_elem` (layer_norm): j; group_norm:
+// channel = (r % G) * Cg + j / S.
+struct AffineIndex {
+  bool layer;  // layer_norm: index j
+  int64_t G = 1, Cg = 1, S = 1;
+  int64_t operator()(int64_t r, int64_t j) const { return layer ? j : (r % G) * Cg + j / S; }
+};
+
+Tensor row_norm_forward(const RowNorm& rn, const std::vector<double>& w, const std::vector<double>& b, const AffineIndex& ix,
+                        const Shape& shape) {
+  Tensor y = empty(shape, rn.x.dtype());
+  TANDEM_DISPATCH_FLOATING(rn.x.dtype(), "layer_norm", [&] {
+    using T = scalar_t;
+    using A = Acc<T>;
+    const T* px = static_cast<const T*>(rn.x.data_ptr());
+    T* py = static_cast<T*>(y.data_ptr());
+    std::vector<A> wa(w.begin(), w.end()), ba(b.begin(), b.end());
+    parallel_for(0, rn.rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(rn.D, 1)), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const A m = static_cast<A>(rn.mean[r]), s = static_cast<A>(rn.rstd[r]);
+        const T* p = px + r * rn.D;
+        T* q = py + r * rn.D;
+        if (ix.layer) {
+          for (int64_t j = 0; j < rn.D; ++j) q[j] = static_cast<T>((static_cast<A>(p[j]) - m) * s * wa[j] + ba[j]);
+        } else {
+          for (int64_t j = 0; j < rn.D; ++j) {
+            const int64_t c = ix(r, j);
+            q[j] = static_cast<T>((static_cast<A>(p[j]) - m) * s * wa[c] + ba[c]);
+          }
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// gx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = gy * w;
+// gw[c] += gy * xhat, gb[c] += gy.
+G row_norm_backward(const RowNorm& rn, const Tensor& gy_in, const std::vector<double>& w, const AffineIndex& ix,
+                    int64_t nparams, bool need_w, bool need_b, DType wdt, DType bdt, const Shape& shape) {
+  const Tensor gy = gy_in.to(rn.x.dtype()).contiguous();
+  Tensor gx = empty(shape, rn.x.dtype());
+  std::vector<double> gw(static_cast<size_t>(nparams), 0.0), gb(static_cast<size_t>(nparams), 0.0);
+  TANDEM_DISPATCH_FLOATING(rn.x.dtype(), "layer_norm backward", [&] {
+    using T = scalar_t;
+    using A = Acc<T>;
+    const T* px = static_cast<const T*>(rn.x.data_ptr());
+    const T* pg = static_cast<const T*>(gy.data_ptr());
+    T* po = static_cast<T*>(gx.data_ptr());
+    const int nthreads = get_num_threads();
+    std::vector<std::vector<double>> gw_part(static_cast<size_t>(nthreads)), gb_part(static_cast<size_t>(nthreads));
+    std::atomic<int> next_slot{0};
+    parallel_for(0, rn.rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(rn.D, 1)), [&](int64_t lo, int64_t hi) {
+      const int slot = next_slot++;
+      auto& pw = gw_part[static_cast<size_t>(slot)];
+      auto& pb = gb_part[static_cast<size_t>(slot)];
+      pw.assign(static_cast<size_t>(nparams), 0.0);
+      pb.assign(static_cast<size_t>(nparams), 0.0);
+      std::vector<A> xhat(static_cast<size_t>(rn.D)), dxhat(static_cast<size_t>(rn.D));
+      for (int64_t r = lo; r < hi; ++r) {
+        const A m = static_cast<A>(rn.mean[r]), s = static_cast<A>(rn.rstd[r]);
+        const T* p = px + r * rn.D;
+        const T* g = pg + r * rn.D;
+        A sum1 = 0, sum2 = 0;
+        for (int64_t j = 0; j < rn.D; ++j) {
+          const int64_t c = ix(r, j);
+          const A gv = static_cast<A>(g[j]);
+          xhat[j] = (static_cast<A>(p[j]) - m) * s;
+          dxhat[j] = gv * static_cast<A>(w[c]);
+          sum1 += dxhat[j];
+          sum2 += dxhat[j] * xhat[j];
+          pw[c] += static_cast<double>(gv * xhat[j]);
+          pb[c] += static_cast<double>(gv);
+        }
+        const A inv_d = A(1) / static_cast<A>(rn.D);
+        sum1 *= inv_d;
+        sum2 *= inv_d;
+        T* q = po + r * rn.D;
+        for (int64_t j = 0; j < rn.D; ++j) q[j] = static_cast<T>(s * (dxhat[j] - sum1 - xhat[j] * sum2));
+      }
+    });
+    for (int t = 0; t < next_slot.load(); ++t)
+      for (int64_t c = 0; c < nparams; ++c) {
+        gw[c] += gw_part[t][c];
+        gb[c] += gb_part[t][c];
+      }
+  });
+  return G{gx, need_w ? tensor(gw, {nparams}, wdt) : Tensor(), need_b ? tensor(gb, {nparams}, bdt) : Tensor()};
+}
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& x_in, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
+  TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "layer_norm: expected a floating input, got {}",
+               dtype_name(x_in.dtype()));
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  bool ok = k >= 1 && k <= x_in.dim();
+  for (int64_t i = 0; ok && i < k; ++i) ok = x_in.size(x_in.dim() - k + i) == normalized_shape[i];
+  TANDEM_CHECK(ok, ShapeError, "layer_norm: normalized_shape {} does not match the trailing dims of input {}",
+               shape_str(normalized_shape), shape_str(x_in.shape()));
+  if (weight.defined())
+    TANDEM_CHECK(weight.shape() == normalized_shape, ShapeError, "layer_norm: weight of shape {} for normalized_shape {}",
+                 shape_str(weight.shape()), shape_str(normalized_shape));
+  if (bias.defined())
+    TANDEM_CHECK(bias.shape() == normalized_shape, ShapeError, "layer_norm: bias of shape {} for normalized_shape {}",
+                 shape_str(bias.shape()), shape_str(normalized_shape));
+  RowNorm rn;
+  rn.D = shape_numel(normalized_shape);
+  rn.rows = x_in.numel() / std::max<int64_t>(rn.D, 1);
+  rn.x = x_in.detach().contiguous();
+  TANDEM_DISPATCH_FLOATING(rn.x.dtype(), "layer_norm", [&] {
+    row_stats(static_cast<const scalar_t*>(rn.x.data_ptr()), rn.rows, rn.D, eps, rn.mean, rn.rstd);
+  });
+  const std::vector<double> w = values_or(weight, rn.D, 1.0), b = values_or(bias, rn.D, 0.0);
+  const AffineIndex ix{true};
+  Tensor y = row_norm_forward(rn, w, b, ix, x_in.shape());
+  record("LayerNormBackward", {x_in, weight, bias}, {y},
+         [rn, w, ix, need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad(),
+          wdt = weight.defined() ? weight.dtype() : kFloat32, bdt = bias.defined() ? bias.dtype() : kFloat32,
+          shape = x_in.shape(), nshape = normalized_shape](const G& g) {
+           G r = row_norm_backward(rn, g[0], w, ix, rn.D, need_w, need_b, wdt, bdt, shape);
+           if (r[1].defined()) r[1] = r[1].reshape(nshape);
+           if (r[2].defined()) r[2] = r[2].reshape(nshape);
+           return r;
+         });
+  return y;
+}
+
+Tensor group_norm(const Tensor& x_in, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+  TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "group_norm: expected an input of shape (N, C, *), got {}",
+               shape_str(x_in.shape()));
+  TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "group_norm: expected a floating input, got {}",
+               dtype_name(x_in.dtype()));
+  const int64_t N = x_in.size(0), C = x_in.size(1);
+  TANDEM_CHECK(num_groups >= 1 && C % num_groups == 0, ValueError,
+               "group_norm: num_groups={} must divide the number of channels {}", num_groups, C);
+  check_param(weight, C, "weight", "group_norm");
+  check_param(bias, C, "bias", "group_norm");
+  RowNorm rn;
+  const int64_t S = x_in.numel() / std::max<int64_t>(N * C, 1);
+  rn.rows = N * num_groups;
+  rn.D = (C / num_groups) * S;
+  rn.x = x_in.detach().contiguous();
+  TANDEM_DISPATCH_FLOATING(rn.x.dtype(), "group_norm", [&] {
+    row_stats(static_cast<const scalar_t*>(rn.x.data_ptr()), rn.rows, rn.D, eps, rn.mean, rn.rstd);
+  });
+  const std::vector<double> w = values_or(weight, C, 1.0), b = values_or(bias, C, 0.0);
+  const AffineIndex ix{false, num_groups, C / num_groups, S};
+  Tensor y = row_norm_forward(rn, w, b, ix, x_in.shape());
+  record("GroupNormBackward", {x_in, weight, bias}, {y},
+         [rn, w, ix, C, need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad(),
+          wdt = weight.defined() ? weight.dtype() : kFloat32, bdt = bias.defined() ? bias.dtype() : kFloat32,
+          shape = x_in.shape()](const G& g) { return row_norm_backward(rn, g[0], w, ix, C, need_w, need_b, wdt, bdt, shape); });
+  return y;
+}
+
+}  // namespace tandem::ops

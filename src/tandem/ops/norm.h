@@ -1,0 +1,23 @@
+// Normalisation ops. Statistics are always computed in f32 (f64 for f64 inputs), also for
+// bf16/f16 inputs; the output keeps the input's dtype and memory layout.
+#pragma once
+
+#include "tandem/core/tensor.h"
+
+namespace tandem::ops {
+
+// PyTorch's batch_norm on x (N, C, *). Training: normalise with the batch's biased variance and,
+// when running stats are given, update them in place with `momentum` (running_var with the
+// unbiased variance). Eval: normalise with the running stats. weight/bias optional (C).
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+
+// Normalises over the last normalized_shape.size() dims; weight/bias optional of that shape.
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = Tensor(),
+                  const Tensor& bias = Tensor(), double eps = 1e-5);
+
+// x (N, C, *): statistics per sample over groups of C / num_groups channels; weight/bias (C).
+Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight = Tensor(), const Tensor& bias = Tensor(),
+                  double eps = 1e-5);
+
+}  // namespace tandem::ops
