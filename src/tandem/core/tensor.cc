@@ -1,5 +1,6 @@
 #include "tandem/core/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <ostream>
@@ -48,6 +49,25 @@ bool Tensor::is_contiguous() const {
     const int64_t s = impl().shape[i];
     if (s == 1) continue;
     if (impl().strides[i] != expected) return false;
+    expected *= s;
+  }
+  return true;
+}
+
+bool Tensor::is_non_overlapping_and_dense() const {
+  if (is_contiguous()) return true;
+  const int64_t nd = dim();
+  std::vector<int64_t> order(static_cast<size_t>(nd));
+  for (int64_t i = 0; i < nd; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    if (impl().strides[a] != impl().strides[b]) return impl().strides[a] < impl().strides[b];
+    return a > b;
+  });
+  int64_t expected = 1;
+  for (int64_t d : order) {
+    const int64_t s = impl().shape[d];
+    if (s == 1) continue;
+    if (impl().strides[d] != expected) return false;
     expected *= s;
   }
   return true;
@@ -152,6 +172,25 @@ Tensor empty(const Shape& shape, DType dtype) {
   return Tensor(std::move(impl));
 }
 
+Tensor empty_strided(const Shape& shape, const Shape& strides, DType dtype) {
+  TANDEM_CHECK(shape.size() == strides.size(), ShapeError, "empty_strided: shape {} and strides {} differ in length",
+               shape_str(shape), shape_str(strides));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = Storage::allocate(static_cast<size_t>(shape_numel(shape)) * tandem::element_size(dtype));
+  impl->shape = shape;
+  impl->strides = strides;
+  impl->dtype = dtype;
+  Tensor t(std::move(impl));
+  TANDEM_CHECK(t.is_non_overlapping_and_dense(), ShapeError, "empty_strided: strides {} do not densely cover shape {}",
+               shape_str(strides), shape_str(shape));
+  return t;
+}
+
+Tensor empty_like(const Tensor& x, DType dtype) {
+  if (!x.is_contiguous() && x.is_non_overlapping_and_dense()) return empty_strided(x.shape(), x.strides(), dtype);
+  return empty(x.shape(), dtype);
+}
+
 Tensor full(const Shape& shape, double value, DType dtype) {
   Tensor t = empty(shape, dtype);
   const int64_t n = t.numel();
@@ -196,6 +235,13 @@ Tensor rand(const Shape& shape, DType dtype, Generator* gen) {
     } else {
       const uint64_t base = g.reserve(static_cast<uint64_t>(n));
       for (int64_t i = 0; i < n; ++i) p[i] = scalar_t(g.uniform(base, static_cast<uint64_t>(i)));
+      if constexpr (std::is_same_v<scalar_t, half> || std::is_same_v<scalar_t, bfloat16>) {
+        // Rounding a 24-bit uniform to 16 bits carries the top ones up to 1.0: keep [0, 1) by
+        // taking the largest value below 1 instead (bf16 1 - 2^-8, f16 1 - 2^-11).
+        const scalar_t below_one = static_cast<scalar_t>(std::is_same_v<scalar_t, bfloat16> ? 0.99609375f : 0.99951171875f);
+        for (int64_t i = 0; i < n; ++i)
+          if (static_cast<float>(p[i]) >= 1.0f) p[i] = below_one;
+      }
     }
   });
   return t;
