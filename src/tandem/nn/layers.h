@@ -83,6 +83,23 @@ class Embedding : public Module {
   int64_t num_embeddings, embedding_dim, padding_idx;
 };
 
+// Holds modules named "0", "1", ... without a forward of its own (torch.nn.ModuleList).
+class ModuleList : public Module {
+ public:
+  ModuleList() : Module("ModuleList") {}
+  void push_back(std::shared_ptr<Module> m) {
+    register_module(std::to_string(items_.size()), m);
+    items_.push_back(std::move(m));
+  }
+  size_t size() const { return items_.size(); }
+  std::shared_ptr<Module> operator[](size_t i) const { return items_.at(i); }
+  template <class M>
+  std::shared_ptr<M> at(size_t i) const { return std::static_pointer_cast<M>(items_.at(i)); }
+
+ private:
+  std::vector<std::shared_ptr<Module>> items_;
+};
+
 // Runs children in order; children are named "0", "1", ... as in PyTorch.
 class Sequential : public Module {
  public:

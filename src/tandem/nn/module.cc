@@ -44,25 +44,25 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
   children_.emplace_back(name, std::move(m));
 }
 
-void Module::collect(const std::string& prefix, bool params, bool recurse, bool persistent_only, NamedTensors& out,
-                     std::vector<const TensorImpl*>& seen) const {
+void Module::collect(const std::string& prefix, bool params, bool recurse, bool persistent_only, bool dedup,
+                     NamedTensors& out, std::vector<const TensorImpl*>& seen) const {
   for (const auto& [name, t] : params ? params_ : buffers_) {
     if (!t.defined()) continue;
     if (persistent_only && std::find(non_persistent_.begin(), non_persistent_.end(), name) != non_persistent_.end())
       continue;
     const TensorImpl* key = &t.impl();
-    if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+    if (dedup && std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
     seen.push_back(key);
     out.emplace_back(prefix + name, t);
   }
   if (!recurse) return;
-  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, true, persistent_only, out, seen);
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, true, persistent_only, dedup, out, seen);
 }
 
 NamedTensors Module::named_parameters(bool recurse) const {
   NamedTensors out;
   std::vector<const TensorImpl*> seen;
-  collect("", true, recurse, false, out, seen);
+  collect("", true, recurse, false, true, out, seen);
   return out;
 }
 
@@ -75,7 +75,7 @@ std::vector<Tensor> Module::parameters(bool recurse) const {
 NamedTensors Module::named_buffers(bool recurse) const {
   NamedTensors out;
   std::vector<const TensorImpl*> seen;
-  collect("", false, recurse, false, out, seen);
+  collect("", false, recurse, false, true, out, seen);
   return out;
 }
 
@@ -145,10 +145,11 @@ void Module::zero_grad(bool set_to_none) {
 }
 
 StateDict Module::state_dict() const {
-  StateDict out = named_parameters();
-  NamedTensors bufs;
+  StateDict out;
   std::vector<const TensorImpl*> seen;
-  collect("", false, true, true, bufs, seen);
+  collect("", true, true, false, false, out, seen);
+  NamedTensors bufs;
+  collect("", false, true, true, false, bufs, seen);
   out.insert(out.end(), bufs.begin(), bufs.end());
   return out;
 }

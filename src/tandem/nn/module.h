@@ -58,7 +58,8 @@ class Module : public std::enable_shared_from_this<Module> {
   void zero_grad(bool set_to_none = true);
 
   // ---- state ----
-  // Parameters and persistent buffers with dotted names, values shared (not copied).
+  // Parameters and persistent buffers with dotted names, values shared (not copied). A tied
+  // tensor appears under each of its names, as in PyTorch.
   StateDict state_dict() const;
   // Copies values in. strict: every key must match both ways. A missing or unexpected key, or a
   // shape mismatch, throws ValueError naming the key and both shapes, before anything is copied.
@@ -73,7 +74,9 @@ class Module : public std::enable_shared_from_this<Module> {
   void add_child(const std::string& name, std::shared_ptr<Module> m);
 
  private:
-  void collect(const std::string& prefix, bool params, bool recurse, bool persistent_only, NamedTensors& out,
+  // dedup: list a tensor registered in several places once (named_parameters) or under every
+  // name (state_dict, as PyTorch's does for tied weights).
+  void collect(const std::string& prefix, bool params, bool recurse, bool persistent_only, bool dedup, NamedTensors& out,
                std::vector<const TensorImpl*>& seen) const;
   void check_name(const std::string& name, const char* what) const;
 

@@ -1,0 +1,71 @@
+#include "tandem/nn/norm.h"
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/ops/norm.h"
+
+namespace tandem::nn {
+
+BatchNorm::BatchNorm(int64_t n, int64_t expected_dims, const BatchNormOptions& o, std::string type_name)
+    : Module(std::move(type_name)), num_features(n), options(o), expected_dims_(expected_dims) {
+  TANDEM_CHECK(n > 0, ValueError, "{}: num_features must be positive, got {}", this->type_name(), n);
+  if (o.affine) {
+    weight = register_parameter("weight", ones({n}));
+    bias = register_parameter("bias", zeros({n}));
+  }
+  if (o.track_running_stats) {
+    running_mean = register_buffer("running_mean", zeros({n}));
+    running_var = register_buffer("running_var", ones({n}));
+    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, kInt64));
+  }
+}
+
+Tensor BatchNorm::forward(const Tensor& x) {
+  const bool ok = expected_dims_ == 4 ? x.dim() == 4 : (x.dim() == 2 || x.dim() == 3);
+  TANDEM_CHECK(ok, ShapeError, "{}: expected {} input, got shape {}", type_name(),
+               expected_dims_ == 4 ? "4-d (N, C, H, W)" : "2-d (N, C) or 3-d (N, C, L)", shape_str(x.shape()));
+  TANDEM_CHECK(x.size(1) == num_features, ShapeError, "{}: expected {} channels, got input of shape {}", type_name(),
+               num_features, shape_str(x.shape()));
+  const bool use_batch_stats = is_training() || !options.track_running_stats;
+  if (is_training() && options.track_running_stats) {
+    NoGradGuard no_grad;
+    *num_batches_tracked.data_ptr<int64_t>() += 1;
+  }
+  const bool update = is_training() && options.track_running_stats;
+  return ops::batch_norm(x, update || !use_batch_stats ? running_mean : Tensor(),
+                         update || !use_batch_stats ? running_var : Tensor(), weight, bias, use_batch_stats,
+                         options.momentum, options.eps);
+}
+
+std::string BatchNorm::extra_repr() const {
+  return fmt::format("{}, eps={}, momentum={}, affine={}, track_running_stats={}", num_features, options.eps,
+                     options.momentum, options.affine, options.track_running_stats);
+}
+
+LayerNorm::LayerNorm(Shape shape, double e, bool affine, bool with_bias)
+    : Module("LayerNorm"), normalized_shape(std::move(shape)), eps(e) {
+  if (affine) {
+    weight = register_parameter("weight", ones(normalized_shape));
+    if (with_bias) bias = register_parameter("bias", zeros(normalized_shape));
+  }
+}
+
+Tensor LayerNorm::forward(const Tensor& x) { return ops::layer_norm(x, normalized_shape, weight, bias, eps); }
+
+std::string LayerNorm::extra_repr() const {
+  return fmt::format("{}, eps={}, elementwise_affine={}", shape_str(normalized_shape), eps, weight.defined());
+}
+
+GroupNorm::GroupNorm(int64_t g, int64_t c, double e, bool affine)
+    : Module("GroupNorm"), num_groups(g), num_channels(c), eps(e) {
+  TANDEM_CHECK(g >= 1 && c % g == 0, ValueError, "GroupNorm: num_groups={} must divide num_channels={}", g, c);
+  if (affine) {
+    weight = register_parameter("weight", ones({c}));
+    bias = register_parameter("bias", zeros({c}));
+  }
+}
+
+Tensor GroupNorm::forward(const Tensor& x) { return ops::group_norm(x, num_groups, weight, bias, eps); }
+
+std::string GroupNorm::extra_repr() const { return fmt::format("{}, {}, eps={}", num_groups, num_channels, eps); }
+
+}  // namespace tandem::nn

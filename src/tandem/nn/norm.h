@@ -1,0 +1,68 @@
+// Normalisation layers with PyTorch's parameters and buffers: BatchNorm keeps running_mean,
+// running_var (f32) and num_batches_tracked (int64) as persistent buffers.
+#pragma once
+
+#include <string>
+
+#include "tandem/nn/module.h"
+
+namespace tandem::nn {
+
+struct BatchNormOptions {
+  double eps = 1e-5;
+  double momentum = 0.1;
+  bool affine = true;
+  bool track_running_stats = true;
+};
+
+// BatchNorm over (N, C) / (N, C, L) (BatchNorm1d) or (N, C, H, W) (BatchNorm2d).
+class BatchNorm : public Module {
+ public:
+  BatchNorm(int64_t num_features, int64_t expected_dims, const BatchNormOptions& options, std::string type_name);
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override;
+
+  Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+  int64_t num_features;
+  BatchNormOptions options;
+
+ private:
+  int64_t expected_dims_;  // 2 means "2 or 3" (BatchNorm1d)
+};
+
+class BatchNorm1d : public BatchNorm {
+ public:
+  explicit BatchNorm1d(int64_t num_features, const BatchNormOptions& options = {})
+      : BatchNorm(num_features, 2, options, "BatchNorm1d") {}
+};
+
+class BatchNorm2d : public BatchNorm {
+ public:
+  explicit BatchNorm2d(int64_t num_features, const BatchNormOptions& options = {})
+      : BatchNorm(num_features, 4, options, "BatchNorm2d") {}
+};
+
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true, bool bias = true);
+  explicit LayerNorm(int64_t dim, double eps = 1e-5) : LayerNorm(Shape{dim}, eps) {}
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override;
+
+  Tensor weight, bias;
+  Shape normalized_shape;
+  double eps;
+};
+
+class GroupNorm : public Module {
+ public:
+  GroupNorm(int64_t num_groups, int64_t num_channels, double eps = 1e-5, bool affine = true);
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override;
+
+  Tensor weight, bias;
+  int64_t num_groups, num_channels;
+  double eps;
+};
+
+}  // namespace tandem::nn
