@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "tandem/autograd/node.h"
+#include "tandem/kernels/cpu/activation.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/reduce.h"
 
@@ -226,6 +227,12 @@ Tensor relu(const Tensor& x) {
 }
 
 Tensor gelu_backward(const Tensor& grad, const Tensor& x, std::string_view approximate) {
+  if (approximate == "tanh" && x.dtype() == kFloat32 && grad.dtype() == kFloat32 && x.is_non_overlapping_and_dense() &&
+      grad.shape() == x.shape() && grad.strides() == x.strides()) {
+    Tensor out = empty_like(x);
+    kernels::gelu_tanh_backward_f32(grad.data_ptr<float>(), x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
+    return out;
+  }
   if (approximate == "tanh") {
     return binary_op(grad, x, "gelu backward", [](auto gg, auto v) {
       using T = decltype(v);
@@ -249,7 +256,10 @@ Tensor gelu(const Tensor& x, std::string_view approximate) {
   TANDEM_CHECK(approximate == "none" || approximate == "tanh", ValueError,
                "gelu: approximate must be \"none\" or \"tanh\", got \"{}\"", approximate);
   Tensor out;
-  if (approximate == "tanh") {
+  if (approximate == "tanh" && x.dtype() == kFloat32 && x.is_non_overlapping_and_dense()) {
+    out = empty_like(x);  // fused, vectorised (libm's tanhf is a scalar call)
+    kernels::gelu_tanh_f32(x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
+  } else if (approximate == "tanh") {
     out = unary_op(x, "gelu", [](auto v) {
       using T = decltype(v);
       const T k = static_cast<T>(kSqrt2OverPi), c = static_cast<T>(0.044715);
