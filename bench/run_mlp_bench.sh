@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Tandem vs PyTorch, side by side, on one thread: the W1 MLP training step (f32 and bf16
+# autocast) and the 1024^3 linear GEMM (f32 and bf16). Prints the CPU, then a table.
+#
+#   bench/run_mlp_bench.sh [--torch-python PY] [--build-dir DIR] [--rounds R] [--seconds S]
+#                          [--phases] [--rebuild]
+#
+#   --torch-python PY  python with PyPI's torch (default $TORCH_PYTHON, else /work/torchvenv/bin/python)
+#   --build-dir DIR    Tandem build folder (default $TANDEM_BUILD_DIR, else build); the
+#                      mlp_step_bench target is built there if missing (or with --rebuild)
+#   --rounds R         alternate Tandem and PyTorch R times and keep each one's best round (default 2)
+#   --seconds S        timed seconds per workload per round (default 3)
+#   --phases           also print each side's per-phase step breakdown and every GEMM of the
+#                      step timed on its own
+#
+# Columns: "wall" figures come from the median wall time per iteration; "cpu" figures from the
+# median process CPU time per iteration, which on a busy shared machine is the steadier of the
+# two (one thread: CPU time is the work, without the time other processes held the core).
+# The PyTorch here is only a yardstick: tests and CI never use it.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+torch_python="${TORCH_PYTHON:-/work/torchvenv/bin/python}"
+build_dir="${TANDEM_BUILD_DIR:-build}"
+rounds=2
+seconds=3
+phases=0
+rebuild=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --torch-python) torch_python="$2"; shift 2 ;;
+    --build-dir) build_dir="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --seconds) seconds="$2"; shift 2 ;;
+    --phases) phases=1; shift ;;
+    --rebuild) rebuild=1; shift ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run_mlp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+[[ "$build_dir" = /* ]] || build_dir="$repo/$build_dir"
+
+if [[ ! -x "$torch_python" ]]; then
+  echo "run_mlp_bench.sh: no PyTorch python at '$torch_python'." >&2
+  echo "  Create a venv with PyPI's torch (python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch numpy)" >&2
+  echo "  or point --torch-python / TORCH_PYTHON at one." >&2
+  exit 1
+fi
+if ! "$torch_python" -c 'import torch' 2>/dev/null; then
+  echo "run_mlp_bench.sh: '$torch_python' cannot import torch (set --torch-python / TORCH_PYTHON)." >&2
+  exit 1
+fi
+
+bench_bin="$build_dir/bench/mlp_step_bench"
+if [[ ! -x "$bench_bin" || "$rebuild" = 1 ]]; then
+  echo "building mlp_step_bench in $build_dir ..." >&2
+  if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
+    cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=ON >/dev/null
+  else
+    cmake "$build_dir" -DTANDEM_BUILD_BENCH=ON >/dev/null
+  fi
+  cmake --build "$build_dir" --target mlp_step_bench >&2
+fi
+
+# One thread everywhere; OpenBLAS (if torch were built on it) on its AVX-512 kernels.
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX
+
+cpu_model="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+flags="$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2-)"
+have=()
+for f in amx_bf16 amx_tile amx_int8 avx512_bf16 avx512_fp16 avx512f avx512_vnni avx_vnni; do
+  if grep -qw "$f" <<<"$flags"; then have+=("$f"); fi
+done
+echo "cpu: $cpu_model ($(getconf _NPROCESSORS_ONLN) logical cores visible)"
+echo "flags: ${have[*]:-none of amx_bf16/avx512_bf16/avx512f}$(grep -qw amx_bf16 <<<"$flags" || echo '  [no AMX]')"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "torch: $("$torch_python" -c 'import torch; print(torch.__version__, "capability", torch.backends.cpu.get_cpu_capability())')"
+echo "command: OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX; $bench_bin --threads 1 --seconds $seconds; $torch_python bench/torch_mlp_step.py --threads 1 --seconds $seconds; x$rounds rounds"
+echo
+
+out="$(mktemp)"
+trap 'rm -f "$out"' EXIT
+extra=()
+[[ "$phases" = 1 ]] && extra+=(--phases)
+for ((r = 1; r <= rounds; ++r)); do
+  echo "round $r/$rounds: tandem ..." >&2
+  "$bench_bin" --threads 1 --seconds "$seconds" ${extra[@]+"${extra[@]}"} >>"$out"
+  echo "round $r/$rounds: torch ..." >&2
+  "$torch_python" "$repo/bench/torch_mlp_step.py" --threads 1 --seconds "$seconds" ${extra[@]+"${extra[@]}"} >>"$out"
+done
+
+"$torch_python" - "$out" <<'PY'
+import json, sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+best = {}  # (workload, impl) -> record with the highest wall figure over rounds
+for r in rows:
+    if r["name"] == "mlp_step":
+        key, wall, cpu, unit = f"mlp_step {r['dtype']} (b={r['batch']})", r["samples_per_s"], r["samples_per_s_cpu"], "samples/s"
+    elif r["name"] == "gemm_1024":
+        key, wall, cpu, unit = f"{r['variant']} 1024^3 {r['dtype']}", r["gflops"], r["gflops_cpu"], "GFLOP/s"
+    else:
+        continue
+    k = (key, r["impl"])
+    prev = best.get(k)
+    best[k] = {"unit": unit, "wall": max(wall, prev["wall"]) if prev else wall,
+               "cpu": max(cpu, prev["cpu"]) if prev else cpu}
+
+order = []
+for (key, _impl) in best:
+    if key not in order:
+        order.append(key)
+hdr = f"{'workload':<26} {'unit':<9} {'Tandem':>9} {'PyTorch':>9} {'T/P':>6}   {'Tandem':>9} {'PyTorch':>9} {'T/P':>6}"
+print(f"{'':<36} {'---------- wall ----------':>26}   {'---------- cpu -----------':>26}")
+print(hdr)
+print("-" * len(hdr))
+for key in order:
+    t, p = best.get((key, "tandem")), best.get((key, "torch"))
+    if not t or not p:
+        continue
+    print(f"{key:<26} {t['unit']:<9} {t['wall']:>9.1f} {p['wall']:>9.1f} {t['wall'] / p['wall']:>6.2f}   "
+          f"{t['cpu']:>9.1f} {p['cpu']:>9.1f} {t['cpu'] / p['cpu']:>6.2f}")
+
+last = {}  # the last round's phase and per-GEMM lines
+for r in rows:
+    if r["name"] == "mlp_step_phases":
+        last[("phases", r["dtype"], r["impl"])] = r
+    elif r["name"] == "step_gemm":
+        last[("gemm", r["dtype"], r["gemm"], r["impl"])] = r
+if last:
+    print("\nstep phases, ms/step (last round; process CPU time):")
+    cols = ["zero_grad", "forward", "loss", "backward", "optimizer"]
+    print(f"  {'dtype':<5} {'impl':<7} " + " ".join(f"{c:>10}" for c in cols) + f" {'allocs/step':>12}")
+    for d in ("f32", "bf16"):
+        for impl in ("tandem", "torch"):
+            r = last.get(("phases", d, impl))
+            if r:
+                allocs = f"{r['allocs_per_step']:.0f}" if "allocs_per_step" in r else "-"
+                print(f"  {d:<5} {impl:<7} " + " ".join(f"{r[c + '_ms']:>10.3f}" for c in cols) + f" {allocs:>12}")
+    print("\neach GEMM of the step on its own, us (process CPU time, median):")
+    print(f"  {'dtype':<5} {'gemm':<13} {'m x n x k':<16} {'Tandem':>8} {'PyTorch':>8} {'T/P time':>9}")
+    for d in ("f32", "bf16"):
+        tot_t = tot_p = 0.0
+        for key, t in last.items():
+            if key[0] != "gemm" or key[1] != d or key[3] != "tandem":
+                continue
+            p = last.get(("gemm", d, key[2], "torch"))
+            if not p:
+                continue
+            tot_t += t["us_cpu_median"]
+            tot_p += p["us_cpu_median"]
+            shape = f"{t['m']}x{t['n']}x{t['k']}"
+            print(f"  {d:<5} {key[2]:<13} {shape:<16} {t['us_cpu_median']:>8.1f} {p['us_cpu_median']:>8.1f} "
+                  f"{t['us_cpu_median'] / p['us_cpu_median']:>9.2f}")
+        if tot_p:
+            print(f"  {d:<5} {'all 8':<13} {'':<16} {tot_t:>8.1f} {tot_p:>8.1f} {tot_t / tot_p:>9.2f}")
+
+print("\nraw JSON lines:")
+for r in rows:
+    print(json.dumps(r))
+PY
