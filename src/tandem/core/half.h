@@ -37,7 +37,8 @@ inline float half_bits_to_float(uint16_t h) {
     const float v = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
     return std::bit_cast<float>(sign | std::bit_cast<uint32_t>(v));
   }
-  if (e == 31) return std::bit_cast<float>(sign | 0x7f800000u | (m << 13));
+  // inf, or NaN made quiet (as F16C's vcvtph2ps does, so that scalar and vector paths agree)
+  if (e == 31) return std::bit_cast<float>(sign | 0x7f800000u | (m << 13) | (m != 0 ? 0x400000u : 0u));
   return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
 }
 

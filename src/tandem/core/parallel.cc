@@ -42,8 +42,15 @@ class Pool {
   void resize(int n) {
     stop();
     size_ = n;
-    done_ = false;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    uint64_t current;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = false;
+      current = generation_;
+    }
+    // New workers start at the current generation: a job that already finished must not look
+    // new to them (they would run it again through a dangling job_ pointer).
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i, current] { loop(i, current); });
   }
 
   void run(int nchunks, const std::function<void(int)>& chunk) {
@@ -72,8 +79,7 @@ class Pool {
   }
 
  private:
-  void loop(int index) {
-    uint64_t seen = 0;
+  void loop(int index, uint64_t seen) {
     in_parallel_region = true;
     for (;;) {
       std::unique_lock<std::mutex> lock(mu_);

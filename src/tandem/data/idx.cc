@@ -61,12 +61,17 @@ Tensor read_idx(const std::string& path) {
                ndim, header);
   Shape shape;
   size_t count = 1;
+  bool overflow = false;  // dims of up to 2^32 each: the product can wrap around, even to 0
   for (unsigned d = 0; d < ndim; ++d) {
     const uint32_t s = be32(&bytes[4 + 4 * d]);
     shape.push_back(s);
-    count *= s;
+    overflow |= __builtin_mul_overflow(count, size_t{s}, &count);
   }
-  const size_t expected = header + count * esize;
+  size_t data_bytes = 0;
+  overflow |= __builtin_mul_overflow(count, esize, &data_bytes) || data_bytes > (size_t{1} << 62);
+  TANDEM_CHECK(!overflow, IOError, "{}: truncated: shape {} needs more than 2^62 bytes of data, the file has {}", path,
+               shape_str(shape), bytes.size() - header);
+  const size_t expected = header + data_bytes;
   TANDEM_CHECK(bytes.size() >= expected, IOError, "{}: truncated: shape {} needs {} bytes of data, the file has {}", path,
                shape_str(shape), count * esize, bytes.size() - header);
   TANDEM_CHECK(bytes.size() == expected, IOError, "{}: {} unexpected bytes after the data of shape {}", path,

@@ -8,7 +8,10 @@ namespace tandem::optim {
 
 Optimizer::Optimizer(std::vector<ParamGroup> groups, Options defaults, std::string name)
     : name_(std::move(name)), defaults_(std::move(defaults)) {
-  TANDEM_CHECK(!groups.empty(), ValueError, "{}: got an empty parameter list", name_);
+  // A list of tensors arrives as one group, so count parameters rather than groups.
+  size_t count = 0;
+  for (const auto& g : groups) count += g.params.size();
+  TANDEM_CHECK(count > 0, ValueError, "{}: got an empty parameter list", name_);
   for (auto& g : groups) add_param_group(std::move(g));
 }
 

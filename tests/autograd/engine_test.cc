@@ -1,0 +1,320 @@
+// The backward engine and Tensor's autograd API: accumulation, freed graphs, grad mode,
+// hooks, retain_grad, autograd::grad, and the in-place guard.
+#include <string>
+#include <vector>
+
+#include "util/test_util.h"
+
+namespace td = tandem;
+using td::Tensor;
+using td::ops::sum;
+
+namespace {
+
+Tensor leaf(const std::vector<double>& v, td::DType dt = td::kFloat64) {
+  Tensor t = td::tensor(v, {static_cast<int64_t>(v.size())}, dt);
+  t.requires_grad_(true);
+  return t;
+}
+
+std::vector<double> scaled(const std::vector<double>& v, double k, double add = 0) {
+  std::vector<double> out;
+  for (double x : v) out.push_back(k * x + add);
+  return out;
+}
+
+}  // namespace
+
+TEST(Backward, AccumulatesAcrossCalls) {
+  const std::vector<double> xv = {1, -2, 3};
+  Tensor x = leaf(xv);
+  EXPECT_TRUE(x.is_leaf());
+  EXPECT_FALSE(x.grad().defined());
+  sum(x * x).backward();
+  EXPECT_EQ(x.grad().to_vector(), scaled(xv, 2));
+  sum(x * x).backward();  // a fresh graph: adds to the existing grad
+  EXPECT_EQ(x.grad().to_vector(), scaled(xv, 4));
+  EXPECT_EQ(x.grad().dtype(), td::kFloat64);
+  EXPECT_FALSE(x.grad().requires_grad());
+}
+
+TEST(Backward, SecondBackwardThroughFreedGraphThrows) {
+  Tensor x = leaf({1, 2});
+  Tensor y = sum(x * x);
+  y.backward();
+  try {
+    y.backward();
+    FAIL() << "expected AutogradError";
+  } catch (const td::AutogradError& e) {
+    EXPECT_NE(std::string(e.what()).find("second time"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Backward, RetainGraphAllowsASecondBackward) {
+  Tensor x = leaf({1, 2});
+  Tensor y = sum(x * x);
+  y.backward(Tensor(), /*retain_graph=*/true);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{2, 4}));
+  y.backward(Tensor(), /*retain_graph=*/true);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{4, 8}));
+  y.backward();  // this one frees the graph
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{6, 12}));
+  EXPECT_THROW(y.backward(), td::AutogradError);
+}
+
+TEST(Backward, NonScalarNeedsAGradient) {
+  Tensor x = leaf({1, 2, 3});
+  Tensor y = x * 3.0;
+  EXPECT_THROW(y.backward(), td::AutogradError);
+  EXPECT_THROW(y.backward(td::ones({2}, td::kFloat64)), td::ShapeError);
+  y.backward(td::tensor(std::vector<double>{1, 10, 100}, {3}, td::kFloat64));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 30, 300}));
+  // A root that does not require grad.
+  EXPECT_THROW(td::ones({1}).backward(), td::AutogradError);
+}
+
+TEST(Backward, LeafRootAndSeveralRoots) {
+  // A leaf as the root: its grad is the given gradient.
+  Tensor x = leaf({1, 2, 3});
+  x.backward(td::tensor(std::vector<double>{4, 5, 6}, {3}, td::kFloat64));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{4, 5, 6}));
+  // Two roots, one computed from the other: d(sum(y^2))/dx + d(y . g)/dx with y = 2x.
+  Tensor z = leaf({1, 2, 3});
+  Tensor y = z * 2.0;
+  Tensor s = sum(y * y);
+  td::autograd::backward({s, y}, {Tensor(), td::ones({3}, td::kFloat64)}, false, false);
+  EXPECT_EQ(z.grad().to_vector(), (std::vector<double>{10, 18, 26}));  // 8z + 2
+  EXPECT_THROW(td::autograd::backward({s, y}, {Tensor()}, false, false), td::AutogradError);  // 1 grad, 2 roots
+}
+
+TEST(Backward, GradDoesNotAliasCallerTensors) {
+  // The gradient passed to backward, and the grads of two leaves fed the same gradient tensor,
+  // must be separate buffers.
+  Tensor x = leaf({1, 2, 3, 4});
+  Tensor g = td::tensor(std::vector<double>{1, 1, 1, 1}, {2, 2}, td::kFloat64);
+  x.view({2, 2}).backward(g);
+  g.fill_(7.0);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1, 1, 1}));
+
+  Tensor a = leaf({1, 2}), b = leaf({3, 4});
+  sum(a + b).backward();
+  Tensor ga = a.grad();
+  td::NoGradGuard no_grad;
+  ga.mul_(5.0);
+  EXPECT_EQ(b.grad().to_vector(), (std::vector<double>{1, 1}));
+}
+
+TEST(Backward, DiamondSumsGradients) {
+  // x feeds two branches that meet again: c = (2x) * (3x) + x = 6x^2 + x, dc/dx = 12x + 1.
+  const std::vector<double> xv = {0.5, -1, 2};
+  Tensor x = leaf(xv);
+  Tensor a = x * 2.0, b = x * 3.0;
+  Tensor c = a * b + x;
+  sum(c).backward();
+  EXPECT_EQ(x.grad().to_vector(), scaled(xv, 12, 1));
+  // The same tensor used twice in one op.
+  Tensor z = leaf(xv);
+  sum(z * z * z).backward();  // 3z^2
+  std::vector<double> expected;
+  for (double v : xv) expected.push_back(3 * v * v);
+  EXPECT_EQ(z.grad().to_vector(), expected);
+}
+
+TEST(Backward, ViewsAreDifferentiable) {
+  Tensor x = leaf({0, 1, 2, 3, 4, 5});
+  Tensor m = x.view({2, 3});
+  // Every other column, the transposed second row, an expanded element.
+  Tensor y = sum(m.slice(1, 0, 3, 2)) + sum(m.t().select(1, 1) * 10.0) + sum(m.select(0, 0).narrow(0, 1, 1).expand({4}));
+  y.backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 4, 1, 11, 10, 11}));
+}
+
+TEST(GradMode, NoGradGuardStopsRecording) {
+  Tensor x = leaf({1, 2});
+  EXPECT_TRUE(td::autograd::is_grad_enabled());
+  {
+    td::NoGradGuard no_grad;
+    EXPECT_FALSE(td::autograd::is_grad_enabled());
+    Tensor y = x * 2.0;
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_EQ(y.grad_fn(), nullptr);
+    EXPECT_THROW(sum(y).backward(), td::AutogradError);
+    {
+      td::autograd::AutoGradMode enable(true);
+      EXPECT_TRUE((x * 2.0).requires_grad());
+    }
+    EXPECT_FALSE(td::autograd::is_grad_enabled());
+  }
+  EXPECT_TRUE(td::autograd::is_grad_enabled());
+  Tensor y = x * 2.0;
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_NE(y.grad_fn(), nullptr);
+  EXPECT_FALSE(y.is_leaf());
+}
+
+TEST(GradMode, DetachSharesDataWithoutHistory) {
+  Tensor x = leaf({1, 2, 3});
+  Tensor y = x * 2.0;
+  Tensor d = y.detach();
+  EXPECT_FALSE(d.requires_grad());
+  EXPECT_TRUE(d.is_leaf());
+  EXPECT_EQ(d.grad_fn(), nullptr);
+  EXPECT_EQ(d.storage().get(), y.storage().get());
+  d.fill_(0.0);  // shares data: y changes too
+  EXPECT_EQ(y.to_vector(), (std::vector<double>{0, 0, 0}));
+  // Gradient does not flow through a detached tensor.
+  Tensor z = sum(x * x.detach());
+  z.backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 2, 3}));
+}
+
+TEST(GradMode, RequiresGradOnlyForFloatingPoint) {
+  Tensor i = td::arange(3);
+  EXPECT_THROW(i.requires_grad_(true), td::AutogradError);
+  EXPECT_FALSE(i.requires_grad());
+  EXPECT_NO_THROW(i.requires_grad_(false));
+  for (td::DType dt : {td::kFloat32, td::kFloat64, td::kBFloat16, td::kFloat16}) {
+    Tensor f = td::zeros({2}, dt);
+    f.requires_grad_(true);
+    EXPECT_TRUE(f.requires_grad());
+  }
+  Tensor x = leaf({1});
+  Tensor y = x * 2.0;
+  EXPECT_THROW(y.requires_grad_(false), td::AutogradError);  // non-leaf
+}
+
+TEST(GradMode, InPlaceOnLeafRequiringGradThrows) {
+  Tensor x = leaf({1, 2});
+  x.set_name("w");
+  EXPECT_THROW(x.fill_(0.0), td::AutogradError);
+  EXPECT_THROW(x.zero_(), td::AutogradError);
+  EXPECT_THROW(x.mul_(2.0), td::AutogradError);
+  EXPECT_THROW(x.add_(td::ones({2}, td::kFloat64)), td::AutogradError);
+  try {
+    x.copy_(td::zeros({2}, td::kFloat64));
+    FAIL();
+  } catch (const td::AutogradError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"w\""), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(x.to_vector(), (std::vector<double>{1, 2}));  // untouched
+  {
+    td::NoGradGuard no_grad;
+    x.mul_(3.0);
+  }
+  EXPECT_EQ(x.to_vector(), (std::vector<double>{3, 6}));
+}
+
+TEST(Hooks, LeafHookCanModifyGradient) {
+  Tensor x = leaf({1, 2});
+  int calls = 0;
+  const int64_t h = x.register_hook([&](const Tensor& g) {
+    ++calls;
+    EXPECT_EQ(g.to_vector(), (std::vector<double>{3, 3}));
+    return g * 2.0;
+  });
+  sum(x * 3.0).backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{6, 6}));
+  x.remove_hook(h);
+  x.set_grad(Tensor());
+  sum(x * 3.0).backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 3}));
+  // A hook that returns an undefined tensor only observes.
+  x.set_grad(Tensor());
+  x.register_hook([&](const Tensor&) {
+    ++calls;
+    return Tensor();
+  });
+  sum(x * 3.0).backward();
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{3, 3}));
+  EXPECT_THROW(td::ones({1}).register_hook([](const Tensor& g) { return g; }), td::AutogradError);
+}
+
+TEST(Hooks, NonLeafHookCanModifyGradient) {
+  Tensor x = leaf({1, 2});
+  Tensor z = x * 3.0;
+  int calls = 0;
+  const int64_t h = z.register_hook([&](const Tensor& g) {
+    ++calls;
+    return g * 10.0;
+  });
+  sum(z * 2.0).backward(Tensor(), true);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{60, 60}));
+  z.remove_hook(h);
+  x.set_grad(Tensor());
+  sum(z * 2.0).backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{6, 6}));
+}
+
+TEST(Hooks, PostAccumulateGradHookRunsOncePerBackwardAfterGradIsSet) {
+  Tensor x = leaf({1, 2});
+  std::vector<std::vector<double>> seen;
+  const int64_t h = x.register_post_accumulate_grad_hook([&](Tensor& p) {
+    EXPECT_TRUE(p.is_same(x));
+    ASSERT_TRUE(p.grad().defined());
+    seen.push_back(p.grad().to_vector());
+  });
+  // x is used three times in this graph; the hook still fires once, with the summed grad.
+  sum(x * x + x).backward();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0], (std::vector<double>{3, 5}));
+  sum(x * 2.0).backward();
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1], (std::vector<double>{5, 7}));  // after accumulation into the existing grad
+  // autograd::grad accumulates nothing, so the hook does not fire.
+  td::autograd::grad({sum(x * 2.0)}, {x});
+  EXPECT_EQ(seen.size(), 2u);
+  x.remove_hook(h);
+  sum(x).backward();
+  EXPECT_EQ(seen.size(), 2u);
+  // Leaves only.
+  Tensor y = x * 2.0;
+  EXPECT_THROW(y.register_post_accumulate_grad_hook([](Tensor&) {}), td::AutogradError);
+  EXPECT_THROW(td::ones({1}).register_post_accumulate_grad_hook([](Tensor&) {}), td::AutogradError);
+}
+
+TEST(RetainGrad, KeepsNonLeafGradient) {
+  Tensor x = leaf({1, 2});
+  Tensor z = x * 2.0;
+  Tensor w = x * 3.0;
+  z.retain_grad();
+  Tensor loss = sum(z * z + w);
+  loss.retain_grad();
+  loss.backward();
+  ASSERT_TRUE(z.grad().defined());
+  EXPECT_EQ(z.grad().to_vector(), (std::vector<double>{4, 8}));  // 2z
+  EXPECT_FALSE(w.grad().defined());  // not retained
+  ASSERT_TRUE(loss.grad().defined());
+  EXPECT_EQ(loss.grad().item(), 1.0);
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{11, 19}));  // 8x + 3
+  z.retain_grad();  // idempotent
+}
+
+TEST(AutogradGrad, ReturnsGradientsWithoutTouchingGrad) {
+  Tensor x = leaf({1, 2, 3});
+  Tensor y = leaf({4, 5, 6});
+  std::vector<Tensor> g = td::autograd::grad({sum(x * y)}, {x, y});
+  ASSERT_EQ(g.size(), 2u);
+  EXPECT_EQ(g[0].to_vector(), (std::vector<double>{4, 5, 6}));
+  EXPECT_EQ(g[1].to_vector(), (std::vector<double>{1, 2, 3}));
+  EXPECT_FALSE(x.grad().defined());
+  EXPECT_FALSE(y.grad().defined());
+  // An existing grad stays as it was.
+  sum(x).backward();
+  g = td::autograd::grad({sum(x * x)}, {x});
+  EXPECT_EQ(g[0].to_vector(), (std::vector<double>{2, 4, 6}));
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1, 1}));
+  // Only the requested inputs; a non-requiring input is an error.
+  g = td::autograd::grad({sum(x * y)}, {y});
+  EXPECT_EQ(g[0].to_vector(), (std::vector<double>{1, 2, 3}));
+  EXPECT_FALSE(y.grad().defined());
+  EXPECT_THROW(td::autograd::grad({sum(x * 2.0)}, {td::ones({3}, td::kFloat64)}), td::AutogradError);
+  // Gradient w.r.t. an intermediate.
+  Tensor h = x * 2.0;
+  g = td::autograd::grad({sum(h * h)}, {h});
+  EXPECT_EQ(g[0].to_vector(), (std::vector<double>{4, 8, 12}));
+}

@@ -1,0 +1,462 @@
+// SGD / Adam / AdamW against closed forms computed in double, parameter groups, zero_grad,
+// state_dict round trips, option validation, LR schedules and clip_grad_norm_.
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "util/test_util.h"
+
+namespace td = tandem;
+namespace optim = tandem::optim;
+using td::Tensor;
+
+namespace {
+
+Tensor param(const std::vector<double>& v, td::DType dt = td::kFloat32) {
+  Tensor t = td::tensor(v, {static_cast<int64_t>(v.size())}, dt);
+  t.requires_grad_(true);
+  return t;
+}
+
+void set_grad(const Tensor& p, const std::vector<double>& g) {
+  p.set_grad(td::tensor(g, {static_cast<int64_t>(g.size())}, p.dtype()));
+}
+
+// PyTorch's SGD update in double, element by element (torch.optim.SGD documentation).
+struct SgdRef {
+  double lr, momentum = 0, dampening = 0, wd = 0;
+  bool nesterov = false, maximize = false;
+  std::vector<double> buf;
+  void step(std::vector<double>& p, const std::vector<double>& g) {
+    const bool first = buf.empty();
+    if (first) buf.resize(p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      double d = maximize ? -g[i] : g[i];
+      d += wd * p[i];
+      if (momentum != 0) {
+        buf[i] = first ? d : momentum * buf[i] + (1 - dampening) * d;
+        d = nesterov ? d + momentum * buf[i] : buf[i];
+      }
+      p[i] -= lr * d;
+    }
+  }
+};
+
+// PyTorch's Adam / AdamW update in double.
+struct AdamRef {
+  double lr, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0;
+  bool decoupled = false, amsgrad = false;
+  std::vector<double> m, v, vmax;
+  int t = 0;
+  void step(std::vector<double>& p, const std::vector<double>& g) {
+    if (m.empty()) m.assign(p.size(), 0), v.assign(p.size(), 0), vmax.assign(p.size(), 0);
+    ++t;
+    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+    for (size_t i = 0; i < p.size(); ++i) {
+      double gi = g[i];
+      if (decoupled) p[i] *= 1 - lr * wd;
+      else gi += wd * p[i];
+      m[i] = b1 * m[i] + (1 - b1) * gi;
+      v[i] = b2 * v[i] + (1 - b2) * gi * gi;
+      vmax[i] = std::max(vmax[i], v[i]);
+      const double s = amsgrad ? vmax[i] : v[i];
+      p[i] -= lr / bc1 * m[i] / (std::sqrt(s) / std::sqrt(bc2) + eps);
+    }
+  }
+};
+
+const std::vector<double> kP0 = {1, -2, 0.25, 3};
+const std::vector<std::vector<double>> kGrads = {{0.5, 0.25, -1, 2}, {-1, 0.5, 0.75, -0.5}, {0.125, -2, 0.5, 1}};
+
+// Tolerances. f64: the same formula in the same order, up to a few ulps of values < 8.
+// f32: every step rounds the hyperparameters and ~6 intermediates, each to within 2^-24 relative,
+// on values (parameters, momentum buffers) of magnitude < 8; three steps stay below
+// 3 * 6 * 8 * 2^-24 = 8.6e-6. A wrong rule (dampening, Nesterov, decay) is off by > 1e-3.
+double tol(td::DType dt) { return dt == td::kFloat64 ? 1e-14 : 8.6e-6; }
+
+void expect_near_vec(const Tensor& actual, const std::vector<double>& expected, double atol, const std::string& what) {
+  const std::vector<double> a = actual.to_vector();
+  ASSERT_EQ(a.size(), expected.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], expected[i], atol) << what << " element " << i;
+}
+
+void check_sgd(const optim::SGDOptions& o, td::DType dt, const std::string& what) {
+  Tensor p = param(kP0, dt);
+  optim::SGD opt({p}, o);
+  SgdRef ref{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize};
+  std::vector<double> expected = kP0;
+  for (const auto& g : kGrads) {
+    set_grad(p, g);
+    opt.step();
+    ref.step(expected, g);
+    expect_near_vec(p, expected, tol(dt), what + " " + std::string(td::dtype_name(dt)));
+  }
+}
+
+}  // namespace
+
+TEST(SGD, HandComputedTwoSteps) {
+  // p0 = 1, g1 = 0.5, g2 = -1, lr = 0.1, worked by hand. f32 tolerance: a few ulps of 1 (1e-6).
+  struct Case {
+    optim::SGDOptions o;
+    double p1, p2;
+  };
+  const Case cases[] = {
+      {{.lr = 0.1}, 0.95, 1.05},                                   // p -= lr g
+      {{.lr = 0.1, .momentum = 0.9}, 0.95, 1.005},                 // buf2 = 0.45 - 1 = -0.55
+      {{.lr = 0.1, .momentum = 0.9, .nesterov = true}, 0.905, 1.0545},  // d = g + 0.9 buf
+      {{.lr = 0.1, .momentum = 0.9, .dampening = 0.5}, 0.95, 0.955},    // buf2 = 0.45 - 0.5
+      {{.lr = 0.1, .weight_decay = 0.1}, 0.94, 1.0306},            // d = g + 0.1 p
+      {{.lr = 0.1, .maximize = true}, 1.05, 0.95},
+  };
+  for (td::DType dt : {td::kFloat32, td::kFloat64}) {
+    for (const Case& c : cases) {
+      Tensor p = param({1.0}, dt);
+      optim::SGD opt({p}, c.o);
+      set_grad(p, {0.5});
+      opt.step();
+      EXPECT_NEAR(p.item(), c.p1, dt == td::kFloat64 ? 1e-15 : 1e-6);
+      set_grad(p, {-1.0});
+      opt.step();
+      EXPECT_NEAR(p.item(), c.p2, dt == td::kFloat64 ? 1e-15 : 1e-6);
+    }
+  }
+}
+
+TEST(SGD, MatchesClosedFormOnVectors) {
+  for (td::DType dt : {td::kFloat32, td::kFloat64}) {
+    check_sgd({.lr = 0.1}, dt, "plain");
+    check_sgd({.lr = 0.05, .momentum = 0.9}, dt, "momentum");
+    check_sgd({.lr = 0.05, .momentum = 0.9, .nesterov = true}, dt, "nesterov");
+    check_sgd({.lr = 0.05, .momentum = 0.8, .dampening = 0.3}, dt, "dampening");
+    check_sgd({.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01}, dt, "momentum+wd");
+    check_sgd({.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true, .maximize = true}, dt, "all");
+  }
+}
+
+TEST(SGD, DyadicValuesAreExact) {
+  // lr, momentum, dampening and every value are short binary fractions: every intermediate is
+  // exact in f32, so the f32 result must equal the double closed form exactly.
+  for (bool nesterov : {false, true}) {
+    optim::SGDOptions o{.lr = 0.25, .momentum = 0.5, .weight_decay = 0.125, .nesterov = nesterov};
+    Tensor p = param(kP0);
+    optim::SGD opt({p}, o);
+    SgdRef ref{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov};
+    std::vector<double> expected = kP0;
+    for (const auto& g : kGrads) {
+      set_grad(p, g);
+      opt.step();
+      ref.step(expected, g);
+      EXPECT_EQ(p.to_vector(), expected) << "nesterov " << nesterov;
+    }
+  }
+}
+
+TEST(SGD, LargeTensorUsesEveryChunk) {
+  // 70001 elements: above the kernels' parallel grain and not a multiple of any vector width.
+  const int64_t n = 70001;
+  td::Generator gen(4);
+  Tensor p = td::rand({n}, td::kFloat32, &gen);
+  p.requires_grad_(true);
+  const std::vector<double> p0 = p.to_vector();
+  Tensor g = td::randn({n}, td::kFloat32, &gen);
+  p.set_grad(g);
+  optim::SGD opt({p}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01});
+  SgdRef ref{0.1, 0.9, 0, 0.01};
+  std::vector<double> expected = p0;
+  const std::vector<double> gv = g.to_vector();
+  for (int s = 0; s < 2; ++s) {
+    opt.step();
+    ref.step(expected, gv);
+  }
+  // |g| < 6 (randn over 70001 draws), so parameters and buffers stay below 12 in magnitude: two
+  // steps of ~6 roundings each stay below 2 * 6 * 12 * 2^-24 = 8.6e-6.
+  expect_near_vec(p, expected, 8.6e-6, "large");
+}
+
+TEST(SGD, SkipsParametersWithoutGradient) {
+  Tensor a = param({1, 2}), b = param({3, 4});
+  optim::SGD opt({a, b}, {.lr = 0.5, .momentum = 0.9});
+  set_grad(a, {1, 1});
+  opt.step();
+  EXPECT_EQ(a.to_vector(), (std::vector<double>{0.5, 1.5}));
+  EXPECT_EQ(b.to_vector(), (std::vector<double>{3, 4}));
+  EXPECT_EQ(opt.state_dict().state[1].size(), 0u);  // no momentum buffer for b yet
+}
+
+TEST(Adam, HandComputedTwoSteps) {
+  // p0 = 1, g1 = 0.5, g2 = -1, lr = 0.1, betas (0.9, 0.999), eps 1e-8. By hand:
+  //   step 1: m = 0.05, v = 2.5e-4, m_hat = 0.5, sqrt(v_hat) = 0.5: p = 1 - 0.1 * 0.5 / (0.5 + 1e-8)
+  //   step 2: m = -0.055, v = 1.24975e-3, m_hat = -0.055 / 0.19, v_hat = 1.24975e-3 / 1.999e-3
+  // AdamW (wd 0.1) first multiplies p by 1 - lr * wd = 0.99.
+  for (td::DType dt : {td::kFloat32, td::kFloat64}) {
+    const double t = dt == td::kFloat64 ? 1e-14 : 1e-6;  // f32: a few ulps of 1
+    Tensor p = param({1.0}, dt);
+    optim::Adam adam({p}, {.lr = 0.1});
+    set_grad(p, {0.5});
+    adam.step();
+    EXPECT_NEAR(p.item(), 0.900000002, t);
+    set_grad(p, {-1.0});
+    adam.step();
+    EXPECT_NEAR(p.item(), 0.9366103542405654, t);
+
+    Tensor q = param({1.0}, dt);
+    optim::AdamW adamw({q}, {.lr = 0.1, .weight_decay = 0.1});
+    set_grad(q, {0.5});
+    adamw.step();
+    EXPECT_NEAR(q.item(), 0.890000002, t);
+    set_grad(q, {-1.0});
+    adamw.step();
+    EXPECT_NEAR(q.item(), 0.9177103542205653, t);
+  }
+  EXPECT_EQ(optim::AdamW::defaults().weight_decay, 1e-2);
+}
+
+TEST(Adam, MatchesClosedFormOnVectors) {
+  struct Case {
+    optim::AdamOptions o;
+    bool decoupled;
+    const char* what;
+  };
+  const Case cases[] = {
+      {{.lr = 0.01}, false, "adam"},
+      {{.lr = 0.01, .beta1 = 0.5, .beta2 = 0.9}, false, "betas"},  // beta1 = 0.5: lerp's other branch
+      {{.lr = 0.01, .weight_decay = 0.1}, false, "adam+l2"},
+      {{.lr = 0.01, .weight_decay = 0.1}, true, "adamw"},
+      {{.lr = 0.01, .amsgrad = true}, false, "amsgrad"},
+  };
+  for (td::DType dt : {td::kFloat32, td::kFloat64}) {
+    for (const Case& c : cases) {
+      Tensor p = param(kP0, dt);
+      std::unique_ptr<optim::Optimizer> opt;
+      if (c.decoupled) opt = std::make_unique<optim::AdamW>(std::vector<Tensor>{p}, c.o);
+      else opt = std::make_unique<optim::Adam>(std::vector<Tensor>{p}, c.o);
+      AdamRef ref{c.o.lr, c.o.beta1, c.o.beta2, c.o.eps, c.o.weight_decay, c.decoupled, c.o.amsgrad};
+      std::vector<double> expected = kP0;
+      for (const auto& g : kGrads) {
+        set_grad(p, g);
+        opt->step();
+        ref.step(expected, g);
+        // Adam's step is ~lr in size and its rounding errors are relative to it; 1e-6 covers f32.
+        expect_near_vec(p, expected, dt == td::kFloat64 ? 1e-14 : 1e-6, std::string(c.what) + " " +
+                                                                            std::string(td::dtype_name(dt)));
+      }
+    }
+  }
+}
+
+TEST(Optimizer, ZeroGradSetToNoneOrZero) {
+  Tensor a = param({1, 2});
+  optim::SGD opt({a}, {.lr = 0.1});
+  set_grad(a, {1, 1});
+  Tensor g = a.grad();
+  opt.zero_grad(/*set_to_none=*/false);
+  ASSERT_TRUE(a.grad().defined());
+  EXPECT_TRUE(a.grad().is_same(g));
+  EXPECT_EQ(g.to_vector(), (std::vector<double>{0, 0}));
+  opt.zero_grad();
+  EXPECT_FALSE(a.grad().defined());
+  opt.step();  // no gradient: nothing happens
+  EXPECT_EQ(a.to_vector(), (std::vector<double>{1, 2}));
+}
+
+TEST(Optimizer, ParamGroupsHaveTheirOwnLr) {
+  Tensor a = param({1}), b = param({1}), c = param({1});
+  optim::SGD opt(std::vector<optim::ParamGroup>{{{a}, {{"lr", 0.5}}}, {{b}, {}}}, {.lr = 0.25});
+  opt.add_param_group({{c}, {{"lr", 0.125}, {"momentum", 0.5}}});
+  ASSERT_EQ(opt.param_groups().size(), 3u);
+  EXPECT_EQ(opt.param_groups()[1].options.at("lr"), 0.25);  // the default fills in
+  EXPECT_EQ(opt.param_groups()[2].options.at("momentum"), 0.5);
+  for (const Tensor& p : {a, b, c}) set_grad(p, {1});
+  opt.step();
+  EXPECT_EQ(a.item(), 0.5);
+  EXPECT_EQ(b.item(), 0.75);
+  EXPECT_EQ(c.item(), 0.875);
+  EXPECT_THROW(opt.add_param_group({{a}, {}}), td::ValueError);  // a parameter in two groups
+  EXPECT_THROW(opt.add_param_group({{param({1})}, {{"beta9", 1.0}}}), td::ValueError);
+  EXPECT_THROW(opt.add_param_group({{td::arange(2)}, {}}), td::DTypeError);
+  Tensor nonleaf = a * 2.0;
+  EXPECT_THROW(opt.add_param_group({{nonleaf}, {}}), td::ValueError);
+  EXPECT_THROW(optim::SGD(std::vector<Tensor>{}, {.lr = 0.1}), td::ValueError);  // PyTorch: "empty parameter list"
+  EXPECT_THROW(optim::Adam(std::vector<Tensor>{}), td::ValueError);
+  EXPECT_THROW(optim::SGD(std::vector<optim::ParamGroup>{}, {.lr = 0.1}), td::ValueError);
+}
+
+TEST(Optimizer, StateDictRoundTripGivesIdenticalSteps) {
+  auto run = [](auto make) {
+    Tensor p = param(kP0), q = param({0.5, -0.5});
+    auto opt = make(std::vector<Tensor>{p, q});
+    for (int s = 0; s < 2; ++s) {
+      set_grad(p, kGrads[s]);
+      set_grad(q, {0.3, -0.7});
+      opt.step();
+    }
+    const optim::OptimizerState saved = opt.state_dict();
+    // A fresh optimizer over copies of the parameters, restored from the state.
+    Tensor p2 = param(p.to_vector()), q2 = param(q.to_vector());
+    auto opt2 = make(std::vector<Tensor>{p2, q2});
+    opt2.load_state_dict(saved);
+    // A control without the state: its third step must differ, or the test proves nothing.
+    Tensor p3 = param(p.to_vector()), q3 = param(q.to_vector());
+    auto opt3 = make(std::vector<Tensor>{p3, q3});
+    for (const Tensor& x : {p, p2, p3}) set_grad(x, kGrads[2]);
+    for (const Tensor& x : {q, q2, q3}) set_grad(x, {-0.1, 0.2});
+    opt.step();
+    opt2.step();
+    opt3.step();
+    EXPECT_EQ(p2.to_vector(), p.to_vector());
+    EXPECT_EQ(q2.to_vector(), q.to_vector());
+    EXPECT_NE(p3.to_vector(), p.to_vector());
+    return saved;
+  };
+  const optim::OptimizerState sgd_state =
+      run([](std::vector<Tensor> ps) { return optim::SGD(ps, {.lr = 0.1, .momentum = 0.9}); });
+  ASSERT_EQ(sgd_state.state.size(), 2u);
+  EXPECT_TRUE(sgd_state.state[0].count("momentum_buffer"));
+  const optim::OptimizerState adam_state = run([](std::vector<Tensor> ps) { return optim::Adam(ps, {.lr = 0.01}); });
+  ASSERT_EQ(adam_state.state.size(), 2u);
+  EXPECT_EQ(adam_state.state[0].at("step").item(), 2.0);
+  EXPECT_TRUE(adam_state.state[1].count("exp_avg_sq"));
+}
+
+TEST(Optimizer, StateDictIsACopyAndLoadValidates) {
+  Tensor p = param({1, 2});
+  optim::SGD opt({p}, {.lr = 0.1, .momentum = 0.9});
+  set_grad(p, {1, 1});
+  opt.step();
+  optim::OptimizerState s = opt.state_dict();
+  {
+    td::NoGradGuard no_grad;
+    s.state[0].at("momentum_buffer").fill_(100.0);  // must not reach the optimizer
+  }
+  set_grad(p, {0, 0});
+  opt.step();  // buf = 0.9 * 1 = 0.9; p -= 0.09
+  EXPECT_NEAR(p.to_vector()[0], 1 - 0.1 - 0.09, 1e-6);
+  // Loading restores hyperparameters too.
+  s = opt.state_dict();
+  s.param_groups[0]["lr"] = 0.5;
+  opt.load_state_dict(s);
+  EXPECT_EQ(opt.param_groups()[0].options.at("lr"), 0.5);
+  // Structure mismatches are rejected, naming the problem.
+  optim::OptimizerState wrong_groups = s;
+  wrong_groups.param_groups.push_back(s.param_groups[0]);
+  EXPECT_THROW(opt.load_state_dict(wrong_groups), td::ValueError);
+  optim::OptimizerState wrong_count = s;
+  wrong_count.state.push_back({});
+  EXPECT_THROW(opt.load_state_dict(wrong_count), td::ValueError);
+  optim::OptimizerState wrong_shape = s;
+  wrong_shape.state[0]["momentum_buffer"] = td::zeros({3});
+  try {
+    opt.load_state_dict(wrong_shape);
+    ADD_FAILURE();
+  } catch (const td::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("momentum_buffer"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Optimizer, BadOptionsThrowValueError) {
+  Tensor p = param({1});
+  EXPECT_THROW(optim::SGD({p}, {.lr = -0.1}), td::ValueError);
+  EXPECT_THROW(optim::SGD({p}, {.lr = 0.1, .momentum = -0.5}), td::ValueError);
+  EXPECT_THROW(optim::SGD({p}, {.lr = 0.1, .weight_decay = -1}), td::ValueError);
+  EXPECT_THROW(optim::SGD({p}, {.lr = 0.1, .nesterov = true}), td::ValueError);  // no momentum
+  EXPECT_THROW(optim::SGD({p}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .nesterov = true}), td::ValueError);
+  EXPECT_THROW(optim::Adam({p}, {.lr = -1e-3}), td::ValueError);
+  EXPECT_THROW(optim::Adam({p}, {.beta1 = 1.0}), td::ValueError);
+  EXPECT_THROW(optim::Adam({p}, {.beta2 = -0.1}), td::ValueError);
+  EXPECT_THROW(optim::Adam({p}, {.eps = -1e-8}), td::ValueError);
+  EXPECT_THROW(optim::AdamW({p}, {.weight_decay = -0.01}), td::ValueError);
+  EXPECT_NO_THROW(optim::SGD({p}, {.lr = 0.0}));
+}
+
+TEST(LRScheduler, StepLR) {
+  Tensor p = param({1});
+  optim::SGD opt({p}, {.lr = 1.0});
+  optim::StepLR sched(opt, /*step_size=*/3, /*gamma=*/0.1);
+  std::vector<double> lrs;
+  for (int s = 0; s < 8; ++s) {
+    lrs.push_back(sched.get_last_lr()[0]);
+    sched.step();
+  }
+  const std::vector<double> expected = {1, 1, 1, 0.1, 0.1, 0.1, 0.01, 0.01};
+  for (size_t i = 0; i < lrs.size(); ++i) EXPECT_NEAR(lrs[i], expected[i], 1e-15) << "step " << i;
+  EXPECT_EQ(sched.last_step(), 8);
+  // The optimizer uses the scheduled lr: at step 8, lr = 0.01.
+  set_grad(p, {1});
+  opt.step();
+  EXPECT_NEAR(p.item(), 1 - 0.01, 1e-7);  // f32 parameter: within an ulp of 0.99
+  sched.set_last_step(3);
+  EXPECT_NEAR(sched.get_last_lr()[0], 0.1, 1e-15);
+  EXPECT_THROW(optim::StepLR(opt, 0), td::ValueError);
+}
+
+TEST(LRScheduler, WarmupCosine) {
+  Tensor a = param({1}), b = param({1});
+  optim::SGD opt(std::vector<optim::ParamGroup>{{{a}, {{"lr", 1.0}}}, {{b}, {{"lr", 0.5}}}}, {.lr = 1.0});
+  optim::WarmupCosineLR sched(opt, /*warmup=*/4, /*total=*/12, /*min_lr=*/0.01);
+  std::vector<std::vector<double>> lrs;
+  for (int s = 0; s <= 14; ++s) {
+    lrs.push_back(sched.get_last_lr());
+    sched.step();
+  }
+  // warmup: base * s / 4; then min + (base - min) / 2 * (1 + cos(pi * (s - 4) / 8)); min after 12.
+  auto cosine = [](double base, int s) { return 0.01 + (base - 0.01) * 0.5 * (1 + std::cos(M_PI * (s - 4) / 8.0)); };
+  EXPECT_NEAR(lrs[0][0], 0.0, 1e-15);
+  EXPECT_NEAR(lrs[2][0], 0.5, 1e-15);
+  EXPECT_NEAR(lrs[2][1], 0.25, 1e-15);
+  EXPECT_NEAR(lrs[4][0], 1.0, 1e-15);  // peak
+  EXPECT_NEAR(lrs[6][0], 0.01 + 0.99 * 0.5 * (1 + std::sqrt(0.5)), 1e-12);
+  EXPECT_NEAR(lrs[8][0], 0.505, 1e-12);  // halfway: the mean of base and min
+  EXPECT_NEAR(lrs[8][1], 0.255, 1e-12);
+  for (int s = 4; s <= 12; ++s) EXPECT_NEAR(lrs[s][1], cosine(0.5, s), 1e-12) << s;
+  EXPECT_NEAR(lrs[12][0], 0.01, 1e-12);
+  EXPECT_NEAR(lrs[14][0], 0.01, 1e-15);
+  for (int s = 5; s <= 12; ++s) EXPECT_LT(lrs[s][0], lrs[s - 1][0]) << s;  // monotone decay
+  EXPECT_THROW(optim::WarmupCosineLR(opt, 5, 4), td::ValueError);
+  EXPECT_THROW(optim::WarmupCosineLR(opt, 0, 0), td::ValueError);
+}
+
+TEST(ClipGradNorm, ReturnsPreClipNormAndScales) {
+  Tensor a = param({0, 0}), b = param({0}), c = param({5});
+  set_grad(a, {3, 4});
+  set_grad(b, {12});
+  // c has no gradient and is skipped. Total 2-norm: sqrt(9 + 16 + 144) = 13.
+  const double norm = optim::clip_grad_norm_({a, b, c}, 6.5);
+  EXPECT_NEAR(norm, 13.0, 1e-12);
+  // Scaled by 6.5 / (13 + 1e-6): f32 rounding of the products is within 1e-7 relative.
+  const double coef = 6.5 / (13.0 + 1e-6);
+  EXPECT_NEAR(a.grad().to_vector()[0], 3 * coef, 1e-6);
+  EXPECT_NEAR(a.grad().to_vector()[1], 4 * coef, 1e-6);
+  EXPECT_NEAR(b.grad().to_vector()[0], 12 * coef, 1e-6);
+  EXPECT_FALSE(c.grad().defined());
+  EXPECT_NEAR(optim::clip_grad_norm_({a, b}, 100.0), 6.5, 1e-5);  // the new norm, unclipped now
+  EXPECT_NEAR(b.grad().to_vector()[0], 12 * coef, 1e-6);          // max_norm above the norm: untouched
+  // Other norms.
+  set_grad(a, {3, -4});
+  set_grad(b, {12});
+  EXPECT_NEAR(optim::clip_grad_norm_({a, b}, 100.0, 1.0), 19.0, 1e-12);
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_NEAR(optim::clip_grad_norm_({a, b}, 6.0, inf), 12.0, 1e-12);
+  EXPECT_NEAR(b.grad().to_vector()[0], 12 * 6.0 / (12.0 + 1e-6), 1e-5);
+  EXPECT_NEAR(a.grad().to_vector()[1], -4 * 6.0 / (12.0 + 1e-6), 1e-6);
+  EXPECT_THROW(optim::clip_grad_norm_({a}, 1.0, 0.5), td::ValueError);
+  EXPECT_EQ(optim::clip_grad_norm_({c}, 1.0), 0.0);  // no gradients at all
+}
+
+TEST(ClipGradNorm, NonFiniteNorms) {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  for (double bad : {inf, nan}) {
+    for (double norm_type : {2.0, inf}) {
+      Tensor a = param({0, 0});
+      set_grad(a, {1, bad});
+      EXPECT_THROW(optim::clip_grad_norm_({a}, 1.0, norm_type, /*error_if_nonfinite=*/true), td::ValueError)
+          << bad << " " << norm_type;
+      EXPECT_EQ(a.grad().to_vector()[0], 1.0);  // not scaled
+      const double n = optim::clip_grad_norm_({a}, 1.0, norm_type);
+      EXPECT_FALSE(std::isfinite(n)) << bad << " " << norm_type;
+      if (std::isnan(bad)) EXPECT_TRUE(std::isnan(n)) << norm_type;
+    }
+  }
+}
