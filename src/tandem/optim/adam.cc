@@ -39,7 +39,7 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::mo
 // Works as follows, per element, in the order PyTorch's single-tensor Adam uses (so that f32
 // results agree to rounding):
 //   g = maximize ? -g : g;  Adam: g += wd * p;  AdamW: p *= 1 - lr * wd
-//   m = lerp(m, g, 1 - beta1);  v = v * beta2 + (1 - beta2) * g * g
+//   m = m * beta1 + (1 - beta1) * g;  v = v * beta2 + (1 - beta2) * g * g
 //   denom = sqrt(amsgrad ? max(vmax, v) : v) / sqrt(1 - beta2^t) + eps
 //   p += -(lr / (1 - beta1^t)) * m / denom
 void Adam::step() {
@@ -67,7 +67,8 @@ void Adam::step() {
       Tensor m = st["exp_avg"], v = st["exp_avg_sq"];
       Tensor vmax = amsgrad ? st["max_exp_avg_sq"] : Tensor();
       if (p.dtype() == kFloat32) {
-        const kernels::AdamParams k{.one_minus_beta1 = static_cast<float>(1.0 - b1),
+        const kernels::AdamParams k{.beta1 = static_cast<float>(b1),
+                                    .one_minus_beta1 = static_cast<float>(1.0 - b1),
                                     .beta2 = static_cast<float>(b2),
                                     .one_minus_beta2 = static_cast<float>(1.0 - b2),
                                     .eps = static_cast<float>(eps),
@@ -90,7 +91,8 @@ void Adam::step() {
         T* mp = static_cast<T*>(m.data_ptr());
         T* vp = static_cast<T*>(v.data_ptr());
         T* vmp = vmax.defined() ? static_cast<T*>(vmax.data_ptr()) : nullptr;
-        const C w = static_cast<C>(1.0 - b1), cb2 = static_cast<C>(b2), one_b2 = static_cast<C>(1.0 - b2);
+        const C cb1 = static_cast<C>(b1), w = static_cast<C>(1.0 - b1);
+        const C cb2 = static_cast<C>(b2), one_b2 = static_cast<C>(1.0 - b2);
         const C cwd = static_cast<C>(wd), decay = static_cast<C>(1.0 - lr * wd), ceps = static_cast<C>(eps);
         const C cbc2 = static_cast<C>(bc2_sqrt), neg_step = static_cast<C>(-step_size);
         const bool decoupled = decoupled_;
@@ -104,7 +106,7 @@ void Adam::step() {
               else gv = gv + cwd * pv;
             }
             C mv = static_cast<C>(mp[i]);
-            mv = w < C(0.5) ? mv + w * (gv - mv) : gv - (gv - mv) * (C(1) - w);
+            mv = mv * cb1 + w * gv;  // exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1) (torch 1.13)
             C vv = static_cast<C>(vp[i]) * cb2;
             vv = vv + one_b2 * gv * gv;
             mp[i] = static_cast<T>(mv);

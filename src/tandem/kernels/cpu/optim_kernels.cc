@@ -44,8 +44,8 @@ void sgd_dispatch_decay(float* p, const float* g, float* buf, int64_t n, const S
 template <bool kDecoupled, bool kDecay, bool kAmsgrad, bool kMaximize>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void adam_loop(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
-               float* __restrict vmax, int64_t n, float w1, bool lerp_low, float beta2, float one_minus_beta2, float wd,
-               float decay, float eps, float bc2_sqrt, float neg_step) {
+               float* __restrict vmax, int64_t n, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
+               float wd, float decay, float eps, float bc2_sqrt, float neg_step) {
   for (int64_t i = 0; i < n; ++i) {
     float gv = kMaximize ? -g[i] : g[i];
     float pv = p[i];
@@ -53,8 +53,8 @@ void adam_loop(float* __restrict p, const float* __restrict g, float* __restrict
       if constexpr (kDecoupled) pv = pv * decay;
       else gv = gv + wd * pv;
     }
-    // exp_avg.lerp_(grad, 1 - beta1), as torch computes lerp for weights below / above 0.5
-    const float mv = lerp_low ? m[i] + w1 * (gv - m[i]) : gv - (gv - m[i]) * (1.0f - w1);
+    // exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1), as torch 1.13's _single_tensor_adam
+    const float mv = m[i] * beta1 + one_minus_beta1 * gv;
     const float vv = v[i] * beta2 + one_minus_beta2 * gv * gv;
     m[i] = mv;
     v[i] = vv;
@@ -70,10 +70,9 @@ void adam_loop(float* __restrict p, const float* __restrict g, float* __restrict
 
 template <bool kDecoupled, bool kDecay, bool kAmsgrad>
 void adam_dispatch(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamParams& o) {
-  const float w1 = o.one_minus_beta1;
   auto run = [&](auto loop) {
-    loop(p, g, m, v, vmax, n, w1, w1 < 0.5f, o.beta2, o.one_minus_beta2, o.weight_decay, o.decoupled_decay, o.eps,
-         o.bias_correction2_sqrt, -o.step_size);
+    loop(p, g, m, v, vmax, n, o.beta1, o.one_minus_beta1, o.beta2, o.one_minus_beta2, o.weight_decay, o.decoupled_decay,
+         o.eps, o.bias_correction2_sqrt, -o.step_size);
   };
   if (o.maximize) run(adam_loop<kDecoupled, kDecay, kAmsgrad, true>);
   else run(adam_loop<kDecoupled, kDecay, kAmsgrad, false>);

@@ -18,7 +18,7 @@ void sgd_update_f32(float* p, const float* g, float* buf, int64_t n, const SgdPa
 
 struct AdamParams {
   // Derived scalars are computed in double by the caller and rounded once, as PyTorch does.
-  float one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0, eps = 0, weight_decay = 0;
+  float beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0, eps = 0, weight_decay = 0;
   float decoupled_decay = 1;   // 1 - lr * weight_decay
   float step_size = 0;         // lr / (1 - beta1^t)
   float bias_correction2_sqrt = 1;  // sqrt(1 - beta2^t)
