@@ -43,31 +43,90 @@ Layout channel_layout(Tensor& x) {
 template <class T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// Per-channel mean and biased variance (two passes, f64 accumulation).
+// Per-channel sums a[c] += fa(i, c), b[c] += fb(i, c) over every element i of channel c.
+// Works in float over blocks (rows of a channels-last (M, C) view vectorise across c; runs of an
+// NCHW view vectorise along the run) and flushes each block into f64, so long channels keep
+// their precision.
+template <class P, class FA, class FB>
+void channel_sums(const Layout& l, std::vector<double>& a, std::vector<double>& b, FA fa, FB fb) {
+  const int64_t C = l.C;
+  a.assign(static_cast<size_t>(C), 0.0);
+  b.assign(static_cast<size_t>(C), 0.0);
+  if (l.inner == 1) {
+    constexpr int64_t kBlock = 64;
+    std::vector<P> pa(static_cast<size_t>(C)), pb(static_cast<size_t>(C));
+    for (int64_t m0 = 0; m0 < l.outer; m0 += kBlock) {
+      std::fill(pa.begin(), pa.end(), P(0));
+      std::fill(pb.begin(), pb.end(), P(0));
+      const int64_t m1 = std::min(l.outer, m0 + kBlock);
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t base = m * C;
+        for (int64_t c = 0; c < C; ++c) {
+          pa[c] += fa(base + c, c);
+          pb[c] += fb(base + c, c);
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        a[c] += pa[c];
+        b[c] += pb[c];
+      }
+    }
+    return;
+  }
+  for (int64_t o = 0; o < l.outer; ++o)
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t base = (o * C + c) * l.inner;
+      for (int64_t i0 = 0; i0 < l.inner; i0 += 256) {
+        const int64_t i1 = std::min(l.inner, i0 + 256);
+        P sa = 0, sb = 0;
+        for (int64_t i = i0; i < i1; ++i) {
+          sa += fa(base + i, c);
+          sb += fb(base + i, c);
+        }
+        a[c] += sa;
+        b[c] += sb;
+      }
+    }
+}
+
+// out[i] = ka[c] * u(i) + kb[c] * v(i) + k0[c] for every element i of channel c.
+template <class T, class U, class V>
+void channel_affine(const Layout& l, T* out, const std::vector<float>& ka, const std::vector<float>& kb,
+                    const std::vector<float>& k0, U u, V v) {
+  const int64_t C = l.C;
+  parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t o = lo; o < hi; ++o) {
+      if (l.inner == 1) {
+        const int64_t base = o * C;
+        for (int64_t c = 0; c < C; ++c) out[base + c] = static_cast<T>(ka[c] * u(base + c) + kb[c] * v(base + c) + k0[c]);
+        continue;
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t base = (o * C + c) * l.inner;
+        const float a = ka[c], b = kb[c], z = k0[c];
+        for (int64_t i = 0; i < l.inner; ++i) out[base + i] = static_cast<T>(a * u(base + i) + b * v(base + i) + z);
+      }
+    }
+  });
+}
+
+// Per-channel mean and biased variance: a float pass for the mean, then one for the squared
+// deviations from it (no E[x^2] - E[x]^2 cancellation).
 template <class T>
 void channel_stats(const T* x, const Layout& l, std::vector<double>& mean, std::vector<double>& var) {
-  mean.assign(static_cast<size_t>(l.C), 0.0);
-  var.assign(static_cast<size_t>(l.C), 0.0);
   const double n = static_cast<double>(l.outer * l.inner);
-  for (int64_t o = 0; o < l.outer; ++o)
-    for (int64_t c = 0; c < l.C; ++c) {
-      const T* p = x + (o * l.C + c) * l.inner;
-      double s = 0;
-      for (int64_t i = 0; i < l.inner; ++i) s += static_cast<double>(static_cast<compute_t<T>>(p[i]));
-      mean[c] += s;
-    }
+  using P = Acc<T>;  // f64 inputs (gradcheck) keep f64 partial sums
+  std::vector<double> unused;
+  auto val = [x](int64_t i, int64_t) { return static_cast<P>(static_cast<compute_t<T>>(x[i])); };
+  auto zero = [](int64_t, int64_t) { return P(0); };
+  channel_sums<P>(l, mean, unused, val, zero);
   for (auto& m : mean) m /= n;
-  for (int64_t o = 0; o < l.outer; ++o)
-    for (int64_t c = 0; c < l.C; ++c) {
-      const T* p = x + (o * l.C + c) * l.inner;
-      const double m = mean[c];
-      double s = 0;
-      for (int64_t i = 0; i < l.inner; ++i) {
-        const double d = static_cast<double>(static_cast<compute_t<T>>(p[i])) - m;
-        s += d * d;
-      }
-      var[c] += s;
-    }
+  std::vector<P> mf(mean.begin(), mean.end());
+  auto sq = [x, &mf](int64_t i, int64_t c) {
+    const P d = static_cast<P>(static_cast<compute_t<T>>(x[i])) - mf[c];
+    return d * d;
+  };
+  channel_sums<P>(l, var, unused, sq, zero);
   for (auto& v : var) v /= n;
 }
 
@@ -128,22 +187,25 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
   Tensor y = empty_like(x);
   TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] {
     using T = scalar_t;
-    using A = Acc<T>;
-    std::vector<A> scale(static_cast<size_t>(C)), shift(static_cast<size_t>(C));
+    std::vector<float> scale(static_cast<size_t>(C)), shift(static_cast<size_t>(C)), none(static_cast<size_t>(C), 0.0f);
     for (int64_t c = 0; c < C; ++c) {
-      scale[c] = static_cast<A>(invstd[c] * w[c]);
-      shift[c] = static_cast<A>(b[c] - mean[c] * invstd[c] * w[c]);
+      scale[c] = static_cast<float>(invstd[c] * w[c]);
+      shift[c] = static_cast<float>(b[c] - mean[c] * invstd[c] * w[c]);
     }
     const T* px = static_cast<const T*>(x.data_ptr());
-    T* py = static_cast<T*>(y.data_ptr());
-    parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(l.C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
-      for (int64_t o = lo; o < hi; ++o)
-        for (int64_t c = 0; c < l.C; ++c) {
-          const int64_t base = (o * l.C + c) * l.inner;
-          for (int64_t i = 0; i < l.inner; ++i)
-            py[base + i] = static_cast<T>(static_cast<A>(px[base + i]) * scale[c] + shift[c]);
-        }
-    });
+    auto xv = [px](int64_t i) { return static_cast<float>(static_cast<compute_t<T>>(px[i])); };
+    auto zero = [](int64_t) { return 0.0f; };
+    if constexpr (std::is_same_v<T, double>) {
+      T* py = static_cast<T*>(y.data_ptr());
+      for (int64_t o = 0; o < l.outer; ++o)
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t i = 0; i < l.inner; ++i) {
+            const int64_t k = (o * C + c) * l.inner + i;
+            py[k] = (px[k] - mean[c]) * invstd[c] * w[c] + b[c];
+          }
+    } else {
+      channel_affine(l, static_cast<T*>(y.data_ptr()), scale, none, shift, xv, zero);
+    }
   });
   std::vector<Tensor> inputs{x_in, weight, bias};
   record("BatchNormBackward", inputs, {y},
@@ -158,52 +220,62 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
            gy = gy.to(x.dtype());
            const int64_t C = l.C;
            const double n = static_cast<double>(l.outer * l.inner);
-           std::vector<double> sum_dy(static_cast<size_t>(C), 0.0), sum_dy_xhat(static_cast<size_t>(C), 0.0);
+           std::vector<double> sum_dy, sum_dy_xc;
            Tensor gx = empty_like(x);
            TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm backward", [&] {
              using T = scalar_t;
-             using A = Acc<T>;
+             using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
              const T* px = static_cast<const T*>(x.data_ptr());
              const T* pg = static_cast<const T*>(gy.data_ptr());
-             for (int64_t o = 0; o < l.outer; ++o)
-               for (int64_t c = 0; c < C; ++c) {
-                 const int64_t base = (o * C + c) * l.inner;
-                 double s1 = 0, s2 = 0;
-                 for (int64_t i = 0; i < l.inner; ++i) {
-                   const double gv = static_cast<double>(static_cast<A>(pg[base + i]));
-                   s1 += gv;
-                   s2 += gv * (static_cast<double>(static_cast<A>(px[base + i])) - mean[c]);
-                 }
-                 sum_dy[c] += s1;
-                 sum_dy_xhat[c] += s2 * invstd[c];
-               }
-             // Training: gx = w * invstd * (gy - mean(gy) - xhat * mean(gy * xhat)); eval: w * invstd * gy.
-             std::vector<A> k_gy(static_cast<size_t>(C)), k_x(static_cast<size_t>(C)), k_0(static_cast<size_t>(C));
+             std::vector<A> mf(mean.begin(), mean.end());
+             if constexpr (std::is_same_v<T, double>) {
+               // f64 (gradcheck) accumulates in f64 throughout.
+               sum_dy.assign(static_cast<size_t>(C), 0.0);
+               sum_dy_xc.assign(static_cast<size_t>(C), 0.0);
+               for (int64_t o = 0; o < l.outer; ++o)
+                 for (int64_t c = 0; c < C; ++c)
+                   for (int64_t i = 0; i < l.inner; ++i) {
+                     const int64_t k = (o * C + c) * l.inner + i;
+                     sum_dy[c] += pg[k];
+                     sum_dy_xc[c] += pg[k] * (px[k] - mean[c]);
+                   }
+             } else {
+               channel_sums<float>(
+                   l, sum_dy, sum_dy_xc, [pg](int64_t i, int64_t) { return static_cast<float>(pg[i]); },
+                   [pg, px, &mf](int64_t i, int64_t c) { return static_cast<float>(pg[i]) * (static_cast<float>(px[i]) - mf[c]); });
+             }
+             // Training: gx = a * (gy - mean(gy) - xhat * mean(gy * xhat)), a = w * invstd; eval: a * gy.
+             // Written as gx = k_gy * gy + k_x * x + k_0 per channel.
+             std::vector<double> k_gy(static_cast<size_t>(C)), k_x(static_cast<size_t>(C)), k_0(static_cast<size_t>(C));
              for (int64_t c = 0; c < C; ++c) {
                const double a = w[c] * invstd[c];
+               k_gy[c] = a;
                if (training) {
-                 const double m_dy = sum_dy[c] / n, m_dyx = sum_dy_xhat[c] / n;
-                 // gx = a*gy - a*m_dy - a*invstd*m_dyx*(x - mean)
-                 k_gy[c] = static_cast<A>(a);
-                 k_x[c] = static_cast<A>(-a * invstd[c] * m_dyx);
-                 k_0[c] = static_cast<A>(-a * m_dy + a * invstd[c] * m_dyx * mean[c]);
+                 const double m_dy = sum_dy[c] / n, m_dyx = sum_dy_xc[c] * invstd[c] / n;
+                 k_x[c] = -a * invstd[c] * m_dyx;
+                 k_0[c] = -a * m_dy + a * invstd[c] * m_dyx * mean[c];
                } else {
-                 k_gy[c] = static_cast<A>(a);
                  k_x[c] = 0;
                  k_0[c] = 0;
                }
              }
              T* po = static_cast<T*>(gx.data_ptr());
-             parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
-               for (int64_t o = lo; o < hi; ++o)
-                 for (int64_t c = 0; c < C; ++c) {
-                   const int64_t base = (o * C + c) * l.inner;
-                   for (int64_t i = 0; i < l.inner; ++i)
-                     po[base + i] = static_cast<T>(k_gy[c] * static_cast<A>(pg[base + i]) +
-                                                   k_x[c] * static_cast<A>(px[base + i]) + k_0[c]);
-                 }
-             });
+             if constexpr (std::is_same_v<T, double>) {
+               for (int64_t o = 0; o < l.outer; ++o)
+                 for (int64_t c = 0; c < C; ++c)
+                   for (int64_t i = 0; i < l.inner; ++i) {
+                     const int64_t k = (o * C + c) * l.inner + i;
+                     po[k] = k_gy[c] * pg[k] + k_x[c] * px[k] + k_0[c];
+                   }
+             } else {
+               const std::vector<float> fg(k_gy.begin(), k_gy.end()), fx(k_x.begin(), k_x.end()), f0(k_0.begin(), k_0.end());
+               channel_affine(
+                   l, po, fg, fx, f0, [pg](int64_t i) { return static_cast<float>(pg[i]); },
+                   [px](int64_t i) { return static_cast<float>(px[i]); });
+             }
            });
+           std::vector<double> sum_dy_xhat(static_cast<size_t>(C));
+           for (int64_t c = 0; c < C; ++c) sum_dy_xhat[c] = sum_dy_xc[c] * invstd[c];
            Tensor gw = has_w ? tensor(sum_dy_xhat, {C}, wdt) : Tensor();
            Tensor gb = has_b ? tensor(sum_dy, {C}, bdt) : Tensor();
            return G{gx, gw, gb};
