@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs every Debian package Tandem's build and tests need. Idempotent: packages already
-# installed are skipped, so a second run does nothing and needs no network.
+# Installs every Debian package Tandem's build and tests need, then the Python tools some tests
+# use that Debian does not package, into the venv .venv-test (from PyPI). Idempotent: packages
+# already installed are skipped, so a second run does nothing and needs no network.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 packages=(
   cmake ninja-build g++ pkg-config
@@ -10,6 +12,7 @@ packages=(
   libgtest-dev libbenchmark-dev nlohmann-json3-dev libfmt-dev
   dataset-fashion-mnist            # real data: /usr/share/datasets/fashion-mnist
   python3-torch                    # the test oracle (/usr/bin/python3)
+  python3-venv                     # .venv-test below
 )
 
 missing=()
@@ -21,12 +24,26 @@ done
 
 if ((${#missing[@]} == 0)); then
   echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
+else
+  echo "install-deps: installing ${missing[*]}"
+  sudo_cmd=()
+  if [[ $(id -u) -ne 0 ]]; then sudo_cmd=(sudo); fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -q || echo "install-deps: apt-get update failed; trying the cached lists"
+  "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-echo "install-deps: installing ${missing[*]}"
-sudo_cmd=()
-if [[ $(id -u) -ne 0 ]]; then sudo_cmd=(sudo); fi
-export DEBIAN_FRONTEND=noninteractive
-"${sudo_cmd[@]}" apt-get update -q || echo "install-deps: apt-get update failed; trying the cached lists"
-"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+# ---- Python tools from PyPI, in .venv-test ----
+# safetensors (the reference reader/writer for tests/oracle/safetensors_oracle_test.cc). The venv
+# sees the system site packages so that Debian's torch and numpy stay importable from it.
+venv=.venv-test
+if [[ ! -x $venv/bin/python ]]; then
+  echo "install-deps: creating $venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+fi
+if "$venv/bin/python" -c 'import safetensors' 2>/dev/null; then
+  echo "install-deps: $venv has safetensors"
+else
+  echo "install-deps: installing safetensors into $venv"
+  "$venv/bin/pip" install -q safetensors
+fi

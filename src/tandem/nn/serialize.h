@@ -1,0 +1,29 @@
+// Module checkpoints as safetensors files: a module's state_dict() under PyTorch's dotted names,
+// so Python's safetensors.torch.load_file + load_state_dict reads what Tandem writes and back.
+// Invariant: loading validates the whole file and every name and shape before any value changes.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "tandem/core/safetensors.h"
+#include "tandem/nn/module.h"
+
+namespace tandem::nn {
+
+// Writes module.state_dict() (parameters and persistent buffers; a tied tensor under each of its
+// names) to `path` with save_safetensors: atomic, blocking until durable. Throws what
+// save_safetensors throws.
+void save_state_dict(const Module& module, const std::string& path,
+                     const std::map<std::string, std::string>& metadata = {});
+
+// Loads the safetensors file at `path` into `module` with Module::load_state_dict: values are
+// copied into the existing parameters (shared handles stay valid) and converted to each
+// parameter's dtype when the file's differs (a bf16 file into an f32 model). strict: the file's
+// names and the module's must match both ways; otherwise only common names are copied. Returns
+// the file's metadata. Throws IOError (from load_safetensors) for a missing or malformed file and
+// ValueError naming the file, the tensor and both shapes for a missing/unexpected name or a shape
+// mismatch; in every error case the module is unchanged.
+std::map<std::string, std::string> load_state_dict_file(Module& module, const std::string& path, bool strict = true);
+
+}  // namespace tandem::nn
