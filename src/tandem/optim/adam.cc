@@ -30,7 +30,7 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::vector<ParamGroup>{{std::move(params), {}}}, options, "Adam", false) {}
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::move(groups), options, "Adam", false) {}
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options, std::string name, bool decoupled)
-    : Optimizer(std::move(groups), to_options(options, name.c_str()), name), decoupled_(decoupled) {}
+    : Optimizer(std::move(groups), to_options(options, name.c_str()), name), decoupled_(decoupled), fused_(options.fused) {}
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::vector<ParamGroup>{{std::move(params), {}}}, options, "AdamW", true) {}
@@ -44,6 +44,8 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::mo
 //   p += -(lr / (1 - beta1^t)) * m / denom
 void Adam::step() {
   NoGradGuard no_grad;
+  std::vector<kernels::AdamTensor> fused;    // f32 parameters, updated together at the end
+  std::vector<Tensor> keep_alive;           // gradients converted for the fused pass
   for (auto& group : param_groups()) {
     const double lr = option(group, "lr"), b1 = option(group, "beta1"), b2 = option(group, "beta2");
     const double eps = option(group, "eps"), wd = option(group, "weight_decay");
@@ -79,8 +81,14 @@ void Adam::step() {
                                     .decoupled = decoupled_,
                                     .amsgrad = amsgrad,
                                     .maximize = maximize};
-        kernels::adam_update_f32(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                                 vmax.defined() ? vmax.data_ptr<float>() : nullptr, p.numel(), k);
+        float* vmp = vmax.defined() ? vmax.data_ptr<float>() : nullptr;
+        if (fused_) {
+          fused.push_back({p.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), vmp, g.data_ptr<float>(), p.numel(), k});
+          keep_alive.push_back(g);
+        } else {
+          kernels::adam_update_f32(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), vmp,
+                                   p.numel(), k);
+        }
         continue;
       }
       TANDEM_DISPATCH_FLOATING(p.dtype(), "Adam.step", [&] {
@@ -123,6 +131,7 @@ void Adam::step() {
       });
     }
   }
+  if (!fused.empty()) kernels::adam_update_multi_f32(fused);
 }
 
 }  // namespace tandem::optim

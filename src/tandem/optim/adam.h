@@ -14,6 +14,8 @@ struct AdamOptions {
   double weight_decay = 0.0;  // AdamW's default is 1e-2 (see AdamW)
   bool amsgrad = false;
   bool maximize = false;
+  // Update every f32 parameter in one fused multi-tensor pass (same results as per-tensor).
+  bool fused = true;
 };
 
 class Adam : public Optimizer {
@@ -27,6 +29,7 @@ class Adam : public Optimizer {
 
  private:
   bool decoupled_;
+  bool fused_;
 };
 
 class AdamW : public Adam {

@@ -98,18 +98,39 @@ void sgd_update_f32(float* p, const float* g, float* buf, int64_t n, const SgdPa
   });
 }
 
+namespace {
+
+// Elements [lo, hi) of one tensor, on the calling thread.
+void adam_range(float* p, const float* g, float* m, float* v, float* vmax, int64_t lo, int64_t hi, const AdamParams& o) {
+  float* vm = vmax ? vmax + lo : nullptr;
+  const int64_t len = hi - lo;
+  const bool decay = o.weight_decay != 0;
+  auto go = [&](auto fn) { fn(p + lo, g + lo, m + lo, v + lo, vm, len, o); };
+  if (o.decoupled) {
+    if (decay) o.amsgrad ? go(adam_dispatch<true, true, true>) : go(adam_dispatch<true, true, false>);
+    else o.amsgrad ? go(adam_dispatch<true, false, true>) : go(adam_dispatch<true, false, false>);
+  } else {
+    if (decay) o.amsgrad ? go(adam_dispatch<false, true, true>) : go(adam_dispatch<false, true, false>);
+    else o.amsgrad ? go(adam_dispatch<false, false, true>) : go(adam_dispatch<false, false, false>);
+  }
+}
+
+}  // namespace
+
 void adam_update_f32(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamParams& o) {
-  parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) {
-    float* vm = vmax ? vmax + lo : nullptr;
-    const int64_t len = hi - lo;
-    const bool decay = o.weight_decay != 0;
-    auto go = [&](auto fn) { fn(p + lo, g + lo, m + lo, v + lo, vm, len, o); };
-    if (o.decoupled) {
-      if (decay) o.amsgrad ? go(adam_dispatch<true, true, true>) : go(adam_dispatch<true, true, false>);
-      else o.amsgrad ? go(adam_dispatch<true, false, true>) : go(adam_dispatch<true, false, false>);
-    } else {
-      if (decay) o.amsgrad ? go(adam_dispatch<false, true, true>) : go(adam_dispatch<false, true, false>);
-      else o.amsgrad ? go(adam_dispatch<false, false, true>) : go(adam_dispatch<false, false, false>);
+  parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { adam_range(p, g, m, v, vmax, lo, hi, o); });
+}
+
+void adam_update_multi_f32(const std::vector<AdamTensor>& ts) {
+  // Elements are numbered across tensors; each chunk walks the tensors it overlaps.
+  std::vector<int64_t> start(ts.size() + 1, 0);
+  for (size_t i = 0; i < ts.size(); ++i) start[i + 1] = start[i] + ts[i].n;
+  parallel_for(0, start.back(), kGrain, [&](int64_t lo, int64_t hi) {
+    size_t t = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), lo) - start.begin()) - 1;
+    for (; t < ts.size() && start[t] < hi; ++t) {
+      const AdamTensor& a = ts[t];
+      const int64_t b = std::max(lo, start[t]) - start[t], e = std::min(hi, start[t + 1]) - start[t];
+      if (b < e) adam_range(a.p, a.g, a.m, a.v, a.vmax, b, e, a.params);
     }
   });
 }

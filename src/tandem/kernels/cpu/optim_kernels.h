@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace tandem::kernels {
 
@@ -26,5 +27,16 @@ struct AdamParams {
 };
 // One Adam/AdamW step; vmax may be null unless amsgrad.
 void adam_update_f32(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamParams& o);
+
+// One tensor of a multi-tensor update.
+struct AdamTensor {
+  float *p, *m, *v, *vmax;  // vmax null unless amsgrad
+  const float* g;
+  int64_t n;
+  AdamParams params;
+};
+// The fused step over a whole parameter list: one parallel pass over all elements of all
+// tensors (no per-tensor synchronisation), each element updated exactly as adam_update_f32 does.
+void adam_update_multi_f32(const std::vector<AdamTensor>& tensors);
 
 }  // namespace tandem::kernels
