@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Checks the JSON summary of an example run: required keys present, thresholds met.
+"""Checks the JSON summary of an example run against bounds.
 
-usage: check_summary.py SUMMARY.json KEY:MIN [KEY:MIN ...]  (each value must be >= MIN)
+usage: check_summary.py SUMMARY.json KEY:MIN[:MAX] [KEY:MIN[:MAX] ...]
+Each KEY must be present with MIN <= value (<= MAX when given).
 """
 import json
 import sys
@@ -13,15 +14,17 @@ def main() -> int:
         summary = json.load(f)
     ok = True
     for cond in conditions:
-        key, threshold = cond.split(":")
+        key, *bounds = cond.split(":")
+        lo = float(bounds[0])
+        hi = float(bounds[1]) if len(bounds) > 1 else float("inf")
         if key not in summary:
             print(f"{path}: missing key {key!r} (have {sorted(summary)})")
             ok = False
             continue
         value = float(summary[key])
-        verdict = "ok" if value >= float(threshold) else "FAILED"
-        print(f"{key} = {value} (need >= {threshold}): {verdict}")
-        ok &= value >= float(threshold)
+        good = lo <= value <= hi
+        print(f"{key} = {value} (need {lo} <= value <= {hi}): {'ok' if good else 'FAILED'}")
+        ok &= good
     return 0 if ok else 1
 
 
