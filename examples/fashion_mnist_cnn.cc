@@ -11,9 +11,9 @@ namespace td = tandem;
 int main(int argc, char** argv) try {
   const examples::Flags flags(argc, argv,
                               {{"epochs", "1"}, {"batch-size", "64"}, {"lr", "1e-3"}, {"weight-decay", "0.01"},
-                               {"threads", "1"}, {"seed", "0"}, {"data-dir", ""}, {"summary-json", ""}},
+                               {"threads", "1"}, {"seed", "0"}, {"data-dir", ""}, {"summary-json", ""}, {"normalize", "1"}},
                               "fashion_mnist_cnn [--epochs N] [--batch-size B] [--lr LR] [--weight-decay WD] "
-                              "[--threads T] [--seed S] [--data-dir DIR] [--summary-json PATH]");
+                              "[--threads T] [--seed S] [--data-dir DIR] [--normalize 0|1] [--summary-json PATH]");
   const int64_t epochs = flags.integer("epochs", 1), batch_size = flags.integer("batch-size", 1);
   const int threads = static_cast<int>(flags.integer("threads", 1));
   const uint64_t seed = static_cast<uint64_t>(flags.integer("seed"));
@@ -23,8 +23,12 @@ int main(int argc, char** argv) try {
   const std::string root = flags.str("data-dir").empty() ? td::data::fashion_mnist_dir() : flags.str("data-dir");
   const auto train = td::data::fashion_mnist("train", root);
   const auto test = td::data::fashion_mnist("test", root);
-  const td::Tensor x_train = examples::normalise_fashion(train.images).unsqueeze(1);  // (N, 1, 28, 28)
-  const td::Tensor x_test = examples::normalise_fashion(test.images).unsqueeze(1);
+  // (N, 1, 28, 28): standardised, or plain [0, 1] pixels (what torchvision's ToTensor gives).
+  auto pixels = [&](const td::Tensor& u8) {
+    return flags.integer("normalize") ? examples::normalise_fashion(u8) : td::ops::mul(u8.to(td::kFloat32), 1.0 / 255.0);
+  };
+  const td::Tensor x_train = pixels(train.images).unsqueeze(1);
+  const td::Tensor x_test = pixels(test.images).unsqueeze(1);
   std::printf("fashion-mnist: %lld train, %lld test images; %d thread(s); cpu: %s\n",
               static_cast<long long>(train.size()), static_cast<long long>(test.size()), threads,
               td::cpu_features().summary().c_str());
