@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Tandem vs PyTorch, side by side, on one thread: the W2 CNN training step (batch 64, AdamW) and
+# the W3 GPT training step (batch 8 x context 128, AdamW), each in f32 and bf16 (autocast in
+# PyTorch, its hand-built equivalent in Tandem). Prints the CPU, then a table.
+#
+#   bench/run_models_bench.sh [--torch-python PY] [--build-dir DIR] [--rounds R] [--seconds S]
+#                             [--workload cnn|gpt] [--dtype f32|bf16] [--phases] [--rebuild]
+#
+#   --torch-python PY  python with PyPI's torch (default $TORCH_PYTHON, else /work/torchvenv/bin/python)
+#   --build-dir DIR    Tandem build folder (default $TANDEM_BUILD_DIR, else build); the
+#                      models_step_bench target is built there if missing (or with --rebuild)
+#   --rounds R         alternate Tandem and PyTorch R times and keep each one's best round (default 2)
+#   --seconds S        timed seconds per workload per round (default 3, at least 10 steps)
+#   --workload W       only cnn or only gpt (default both)
+#   --dtype D          only f32 or only bf16 (default both)
+#   --phases           also print each side's per-phase step breakdown
+#
+# Every (workload, dtype, side) runs in a process of its own, so that the peak-RSS figure is that
+# pair's alone. Columns: "wall" figures come from the median wall time per step; "cpu" figures
+# from the median process CPU time per step, which on a busy shared machine is the steadier of
+# the two (one thread: CPU time is the work, without the time other processes held the core).
+# "peak tensors": live tensor bytes at the step's high-water mark, less the input-batch pool —
+# Tandem's peak_allocated_bytes() over the timed steps, PyTorch's parameters + buffers +
+# optimizer state plus the peak of its CPU allocator events (torch.profiler, profile_memory) over
+# one step. "RSS delta": growth of the process's peak resident set (getrusage ru_maxrss) from the
+# end of setup to the end of the run (first-step footprint + allocator caches, scratchpads, JIT
+# code). Memory figures are the last round's. The PyTorch here is only a yardstick: tests and CI
+# never use it.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+torch_python="${TORCH_PYTHON:-/work/torchvenv/bin/python}"
+build_dir="${TANDEM_BUILD_DIR:-build}"
+rounds=2
+seconds=3
+phases=0
+rebuild=0
+workloads=(cnn gpt)
+dtypes=(f32 bf16)
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --torch-python) torch_python="$2"; shift 2 ;;
+    --build-dir) build_dir="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --seconds) seconds="$2"; shift 2 ;;
+    --workload) workloads=("$2"); shift 2 ;;
+    --dtype) dtypes=("$2"); shift 2 ;;
+    --phases) phases=1; shift ;;
+    --rebuild) rebuild=1; shift ;;
+    -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run_models_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+[[ "$build_dir" = /* ]] || build_dir="$repo/$build_dir"
+
+if [[ ! -x "$torch_python" ]]; then
+  echo "run_models_bench.sh: no PyTorch python at '$torch_python'." >&2
+  echo "  Create a venv with PyPI's torch (python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch numpy)" >&2
+  echo "  or point --torch-python / TORCH_PYTHON at one." >&2
+  exit 1
+fi
+if ! "$torch_python" -c 'import torch' 2>/dev/null; then
+  echo "run_models_bench.sh: '$torch_python' cannot import torch (set --torch-python / TORCH_PYTHON)." >&2
+  exit 1
+fi
+
+bench_bin="$build_dir/bench/models_step_bench"
+if [[ ! -x "$bench_bin" || "$rebuild" = 1 ]]; then
+  echo "building models_step_bench in $build_dir ..." >&2
+  if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
+    cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=ON >/dev/null
+  else
+    cmake "$build_dir" -DTANDEM_BUILD_BENCH=ON >/dev/null
+  fi
+  cmake --build "$build_dir" --target models_step_bench >&2
+fi
+
+# One thread everywhere; OpenBLAS (if torch were built on it) on its AVX-512 kernels.
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX
+
+cpu_model="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+flags="$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2-)"
+have=()
+for f in amx_bf16 amx_tile amx_int8 avx512_bf16 avx512_fp16 avx512f avx512_vnni avx_vnni; do
+  if grep -qw "$f" <<<"$flags"; then have+=("$f"); fi
+done
+echo "cpu: $cpu_model ($(getconf _NPROCESSORS_ONLN) logical cores visible)"
+echo "flags: ${have[*]:-none of amx_bf16/avx512_bf16/avx512f}$(grep -qw amx_bf16 <<<"$flags" || echo '  [no AMX]')$(grep -qw avx512_bf16 <<<"$flags" || echo '  [no avx512_bf16]')"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "torch: $("$torch_python" -c 'import torch; print(torch.__version__, "capability", torch.backends.cpu.get_cpu_capability())')"
+extra=()
+[[ "$phases" = 1 ]] && extra+=(--phases)
+echo "command: OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX; for W in ${workloads[*]}; for D in ${dtypes[*]}: $bench_bin --threads 1 --seconds $seconds --workload \$W --dtype \$D ${extra[*]-}; $torch_python bench/torch_models_step.py --threads 1 --seconds $seconds --workload \$W --dtype \$D ${extra[*]-}; x$rounds rounds"
+echo
+
+out="$(mktemp)"
+torch_log="$(mktemp)"
+trap 'rm -f "$out" "$torch_log"' EXIT
+for ((r = 1; r <= rounds; ++r)); do
+  for w in "${workloads[@]}"; do
+    for d in "${dtypes[@]}"; do
+      echo "round $r/$rounds: $w $d tandem ..." >&2
+      "$bench_bin" --threads 1 --seconds "$seconds" --workload "$w" --dtype "$d" ${extra[@]+"${extra[@]}"} >>"$out"
+      echo "round $r/$rounds: $w $d torch ..." >&2
+      # torch.profiler (the memory figure) chats on stderr; keep it out of the table.
+      if ! "$torch_python" "$repo/bench/torch_models_step.py" --threads 1 --seconds "$seconds" --workload "$w" \
+          --dtype "$d" ${extra[@]+"${extra[@]}"} >>"$out" 2>"$torch_log"; then
+        cat "$torch_log" >&2
+        exit 1
+      fi
+    done
+  done
+done
+
+"$torch_python" - "$out" <<'PY'
+import json, sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+best = {}  # (workload, impl) -> highest wall and cpu figures over rounds, last round's memory
+for r in rows:
+    if r["name"] not in ("cnn_step", "gpt_step"):
+        continue
+    key = (r["name"].replace("_step", ""), r["dtype"])
+    k = (key, r["impl"])
+    prev = best.get(k)
+    best[k] = {"unit": r["unit"], "wall": max(r["per_s"], prev["wall"]) if prev else r["per_s"],
+               "cpu": max(r["per_s_cpu"], prev["cpu"]) if prev else r["per_s_cpu"],
+               "peak": r["peak_tensor_mb"], "rss": r["maxrss_delta_mb"],
+               "shape": f"b={r['batch']}" + (f",T={r['context']}" if r["context"] else "")}
+
+order = []
+for (key, _impl) in best:
+    if key not in order:
+        order.append(key)
+hdr = (f"{'workload':<16} {'dtype':<5} {'unit':<10} {'Tandem':>8} {'PyTorch':>8} {'T/P':>5}   "
+       f"{'Tandem':>8} {'PyTorch':>8} {'T/P':>5}   {'Tandem':>7} {'PyTorch':>7}   {'Tandem':>7} {'PyTorch':>7}")
+print(f"{'':<33} {'-------- cpu --------':>23}   {'-------- wall -------':>23}   "
+      f"{'peak tensors MiB':>15}   {'RSS delta MiB':>15}")
+print(hdr)
+print("-" * len(hdr))
+for key in order:
+    t, p = best.get((key, "tandem")), best.get((key, "torch"))
+    if not t or not p:
+        continue
+    name = f"{key[0]} ({t['shape']})"
+    print(f"{name:<16} {key[1]:<5} {t['unit']:<10} {t['cpu']:>8.1f} {p['cpu']:>8.1f} {t['cpu'] / p['cpu']:>5.2f}   "
+          f"{t['wall']:>8.1f} {p['wall']:>8.1f} {t['wall'] / p['wall']:>5.2f}   "
+          f"{t['peak']:>7.1f} {p['peak']:>7.1f}   {t['rss']:>7.1f} {p['rss']:>7.1f}")
+
+last = {}
+for r in rows:
+    if r["name"].endswith("_phases"):
+        last[(r["name"].replace("_step_phases", ""), r["dtype"], r["impl"])] = r
+if last:
+    print("\nstep phases, ms/step (last round; process CPU time):")
+    cols = ["zero_grad", "forward", "loss", "backward", "optimizer"]
+    print(f"  {'workload':<8} {'dtype':<5} {'impl':<7} " + " ".join(f"{c:>10}" for c in cols) + f" {'allocs/step':>12}")
+    for key in order:
+        for impl in ("tandem", "torch"):
+            r = last.get((key[0], key[1], impl))
+            if r:
+                allocs = f"{r['allocs_per_step']:.0f}" if "allocs_per_step" in r else "-"
+                print(f"  {key[0]:<8} {key[1]:<5} {impl:<7} " + " ".join(f"{r[c + '_ms']:>10.3f}" for c in cols)
+                      + f" {allocs:>12}")
+
+print("\nraw JSON lines:")
+for r in rows:
+    print(json.dumps(r))
+PY
