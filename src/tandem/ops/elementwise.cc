@@ -227,10 +227,14 @@ Tensor relu(const Tensor& x) {
 }
 
 Tensor gelu_backward(const Tensor& grad, const Tensor& x, std::string_view approximate) {
-  if (approximate == "tanh" && x.dtype() == kFloat32 && grad.dtype() == kFloat32 && x.is_non_overlapping_and_dense() &&
-      grad.shape() == x.shape() && grad.strides() == x.strides()) {
+  if (approximate == "tanh" && (x.dtype() == kFloat32 || is_reduced_float(x.dtype())) && grad.dtype() == x.dtype() &&
+      x.is_non_overlapping_and_dense() && grad.shape() == x.shape() && grad.strides() == x.strides()) {
     Tensor out = empty_like(x);
-    kernels::gelu_tanh_backward_f32(grad.data_ptr<float>(), x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
+    if (x.dtype() == kFloat32) {
+      kernels::gelu_tanh_backward_f32(grad.data_ptr<float>(), x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
+    } else {
+      kernels::gelu_tanh_backward_reduced(grad.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), x.dtype());
+    }
     return out;
   }
   if (approximate == "tanh") {
@@ -259,6 +263,9 @@ Tensor gelu(const Tensor& x, std::string_view approximate) {
   if (approximate == "tanh" && x.dtype() == kFloat32 && x.is_non_overlapping_and_dense()) {
     out = empty_like(x);  // fused, vectorised (libm's tanhf is a scalar call)
     kernels::gelu_tanh_f32(x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
+  } else if (approximate == "tanh" && is_reduced_float(x.dtype()) && x.is_non_overlapping_and_dense()) {
+    out = empty_like(x);
+    kernels::gelu_tanh_reduced(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype());
   } else if (approximate == "tanh") {
     out = unary_op(x, "gelu", [](auto v) {
       using T = decltype(v);

@@ -24,14 +24,25 @@ Tensor unsqueeze_reduced(const Tensor& g, const Shape& in_shape, const std::vect
   return g.reshape(kernels::reduced_shape(in_shape, dims, true));
 }
 
+// scale * g broadcast to the input's shape, laid out like the input when that was dense (a
+// channels-last activation gets a channels-last gradient, so the ops before it stay on their
+// linear fast paths).
+Tensor broadcast_back(const Tensor& g, const Shape& in_shape, const Shape& in_strides, double scale) {
+  const Tensor scaled = scale == 1.0 ? g : mul(g, scale);
+  Tensor probe = make_view(scaled, in_shape, in_strides, 0);
+  Tensor out = probe.is_non_overlapping_and_dense() ? empty_strided(in_shape, in_strides, g.dtype()) : empty(in_shape, g.dtype());
+  out.copy_(scaled.expand(in_shape));
+  return out;
+}
+
 }  // namespace
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
   check_floating(x, "sum");
   const std::vector<int64_t> dims = kernels::reduction_dims(dims_in, x.dim(), "sum");
   Tensor out = kernels::sum(x, dims, keepdim, x.dtype());
-  record("SumBackward", {x}, {out}, [in_shape = x.shape(), dims, keepdim](const G& g) {
-    return G{unsqueeze_reduced(g[0], in_shape, dims, keepdim).expand(in_shape).contiguous()};
+  record("SumBackward", {x}, {out}, [in_shape = x.shape(), in_strides = x.strides(), dims, keepdim](const G& g) {
+    return G{broadcast_back(unsqueeze_reduced(g[0], in_shape, dims, keepdim), in_shape, in_strides, 1.0)};
   });
   return out;
 }
@@ -44,8 +55,9 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) 
   Tensor s = kernels::sum(x, dims, keepdim, x.dtype() == kFloat64 ? kFloat64 : kFloat32);
   s.mul_(1.0 / static_cast<double>(count));
   Tensor out = s.to(x.dtype());  // 16-bit inputs: f32 statistics, rounded once
-  record("MeanBackward", {x}, {out}, [in_shape = x.shape(), dims, keepdim, count](const G& g) {
-    return G{mul(unsqueeze_reduced(g[0], in_shape, dims, keepdim).expand(in_shape), 1.0 / static_cast<double>(count))};
+  record("MeanBackward", {x}, {out}, [in_shape = x.shape(), in_strides = x.strides(), dims, keepdim, count](const G& g) {
+    return G{broadcast_back(unsqueeze_reduced(g[0], in_shape, dims, keepdim), in_shape, in_strides,
+                            1.0 / static_cast<double>(count))};
   });
   return out;
 }

@@ -17,6 +17,7 @@ void scores(const T* __restrict q, const T* __restrict K, int64_t n, int64_t D, 
   for (int64_t j = 0; j < n; ++j) {
     const T* kj = K + j * D;
     T acc = 0;
+#pragma omp simd reduction(+ : acc)  // lets the compiler reassociate the sum and vectorise it
     for (int64_t d = 0; d < D; ++d) acc += q[d] * kj[d];
     s[j] = acc * scale;
   }
@@ -41,8 +42,10 @@ void axpy(T a, const T* __restrict x, int64_t n, T* __restrict y) {
 }
 
 template <class T>
-T dot(const T* a, const T* b, int64_t n) {
+__attribute__((target_clones("avx512f", "avx2", "default")))
+T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
   T acc = 0;
+#pragma omp simd reduction(+ : acc)
   for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
   return acc;
 }
