@@ -5,117 +5,146 @@
 #include <limits>
 #include <vector>
 
-#include "tandem/core/parallel.h"
+#include "tandem/core/tensor.h"
+#include "tandem/kernels/cpu/gemm.h"
+#include "tandem/kernels/cpu/vec_math.h"
 
 namespace tandem::kernels {
 namespace {
 
-// s[j] = scale * <q, K[j]> for j < n. Multiversioned: AVX-512, AVX2 or baseline at load time.
-template <class T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void scores(const T* __restrict q, const T* __restrict K, int64_t n, int64_t D, T scale, T* __restrict s) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kj = K + j * D;
-    T acc = 0;
-#pragma omp simd reduction(+ : acc)  // lets the compiler reassociate the sum and vectorise it
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * kj[d];
-    s[j] = acc * scale;
-  }
-}
+// Query rows per tile: a tile's scores (kTile x keys) are the only T x S-like buffer, and it
+// lives only while that tile is processed.
+constexpr int64_t kTile = 128;
 
-// out += sum_j p[j] * V[j]
+// A (rows, cols) matrix view of raw memory with row stride `ld`, as a 3-d (1, rows, cols)
+// tensor for gemm; `transposed` views the memory as its transpose.
 template <class T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void mix(const T* __restrict p, const T* __restrict V, int64_t n, int64_t Dv, T* __restrict out) {
-  for (int64_t j = 0; j < n; ++j) {
-    const T pj = p[j];
-    const T* vj = V + j * Dv;
-    for (int64_t d = 0; d < Dv; ++d) out[d] += pj * vj[d];
-  }
-}
-
-// y += a * x
-template <class T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void axpy(T a, const T* __restrict x, int64_t n, T* __restrict y) {
-  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+Tensor mat(const T* p, int64_t rows, int64_t cols, int64_t ld, bool transposed = false) {
+  void* ptr = const_cast<T*>(p);
+  if (!transposed) return from_blob(ptr, {1, rows, cols}, {rows * ld, ld, 1}, dtype_of<T>::value);
+  return from_blob(ptr, {1, cols, rows}, {rows * ld, 1, ld}, dtype_of<T>::value);
 }
 
 template <class T>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
-  return acc;
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  return gemm(a, b, Tensor(), dtype_of<T>::value);
 }
+
+template <class T>
+T exp_of(T x) {
+  if constexpr (std::is_same_v<T, float>) return exp_approx(x);  // vectorisable, < 2e-7 relative
+  else return std::exp(x);
+}
+
+// Keys visible to query row t.
+int64_t visible(const AttentionShape& s, int64_t t) { return s.causal ? std::min(t + 1, s.S) : s.S; }
 
 }  // namespace
 
+// Works as follows, per (batch*head) and per tile of query rows: scores = Q_tile K^T over the
+// keys the tile can see (causal: keys after the tile's last row are never touched), a row-wise
+// softmax in f32 with the masked tail zeroed, out_tile = P V. Only each row's log-sum-exp is
+// kept for backward.
 template <class T>
 void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const AttentionShape& s, T scale) {
-  parallel_for(0, s.BH * s.T, std::max<int64_t>(1, 4096 / std::max<int64_t>(s.S * s.D, 1)), [&](int64_t lo, int64_t hi) {
-    std::vector<T> p(static_cast<size_t>(s.S));
-    for (int64_t row = lo; row < hi; ++row) {
-      const int64_t bh = row / s.T, t = row % s.T;
-      const int64_t n = s.causal ? std::min(t + 1, s.S) : s.S;  // keys this row may see
-      const T* K = k + bh * s.S * s.D;
-      const T* V = v + bh * s.S * s.Dv;
-      T* o = out + row * s.Dv;
-      std::fill(o, o + s.Dv, T(0));
+  for (int64_t bh = 0; bh < s.BH; ++bh) {
+    const T* Q = q + bh * s.T * s.D;
+    const T* K = k + bh * s.S * s.D;
+    const T* V = v + bh * s.S * s.Dv;
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      T* O = out + (bh * s.T + t0) * s.Dv;
       if (n == 0) {
-        lse[row] = -std::numeric_limits<T>::infinity();
+        std::fill(O, O + rows * s.Dv, T(0));
+        std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<T>::infinity());
         continue;
       }
-      scores(q + row * s.D, K, n, s.D, scale, p.data());
-      const T m = *std::max_element(p.begin(), p.begin() + n);
-      T l = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - m);
-        l += p[j];
+      Tensor scores = matmul<T>(mat(Q + t0 * s.D, rows, s.D, s.D), mat(K, n, s.D, s.D, true));  // (1, rows, n)
+      T* P = scores.data_ptr<T>();
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = P + r * n;
+        const int64_t nr = visible(s, t0 + r);
+        T m = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < nr; ++j) m = std::max(m, row[j] * scale);
+        T l = 0;
+#pragma omp simd reduction(+ : l)
+        for (int64_t j = 0; j < nr; ++j) {
+          row[j] = exp_of<T>(row[j] * scale - m);
+          l += row[j];
+        }
+        const T inv = T(1) / l;
+        for (int64_t j = 0; j < nr; ++j) row[j] *= inv;
+        std::fill(row + nr, row + n, T(0));
+        lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
       }
-      const T inv = T(1) / l;
-      for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-      mix(p.data(), V, n, s.Dv, o);
-      lse[row] = m + std::log(l);
+      Tensor o = matmul<T>(scores, mat(V, n, s.Dv, s.Dv));  // (1, rows, Dv)
+      std::copy(o.data_ptr<T>(), o.data_ptr<T>() + rows * s.Dv, O);
     }
-  });
+  }
 }
 
+// Backward per tile, recomputing P = exp(Q K^T * scale - lse) from the saved log-sum-exp:
+//   dV += P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = scale dS K;  dK += scale dS^T Q.
 template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
                         const AttentionShape& s, T scale) {
-  // dK and dV of one (batch, head) gather contributions from all its query rows, so work is
-  // split over (batch, head) pairs, each thread owning its pairs' dK/dV.
-  parallel_for(0, s.BH, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<T> p(static_cast<size_t>(s.S));
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const T* K = k + bh * s.S * s.D;
-      const T* V = v + bh * s.S * s.Dv;
-      T* dK = dk + bh * s.S * s.D;
-      T* dV = dv + bh * s.S * s.Dv;
-      std::fill(dK, dK + s.S * s.D, T(0));
-      std::fill(dV, dV + s.S * s.Dv, T(0));
-      for (int64_t t = 0; t < s.T; ++t) {
-        const int64_t row = bh * s.T + t;
-        const int64_t n = s.causal ? std::min(t + 1, s.S) : s.S;
-        const T* qt = q + row * s.D;
-        const T* dot_ = dout + row * s.Dv;
-        T* dqt = dq + row * s.D;
-        std::fill(dqt, dqt + s.D, T(0));
-        if (n == 0) continue;
-        const T delta = dot(dot_, out + row * s.Dv, s.Dv);  // sum_j p_j dp_j
-        scores(qt, K, n, s.D, scale, p.data());
-        for (int64_t j = 0; j < n; ++j) {
-          const T pj = std::exp(p[j] - lse[row]);
-          axpy(pj, dot_, s.Dv, dV + j * s.Dv);                   // dV_j += p_j dO_t
-          const T ds = pj * (dot(dot_, V + j * s.Dv, s.Dv) - delta);  // dS = P (dP - delta)
-          axpy(scale * ds, K + j * s.D, s.D, dqt);                  // dQ_t += scale dS K_j
-          axpy(scale * ds, qt, s.D, dK + j * s.D);                   // dK_j += scale dS Q_t
-        }
+  std::fill(dk, dk + s.BH * s.S * s.D, T(0));
+  std::fill(dv, dv + s.BH * s.S * s.Dv, T(0));
+  for (int64_t bh = 0; bh < s.BH; ++bh) {
+    const T* Q = q + bh * s.T * s.D;
+    const T* K = k + bh * s.S * s.D;
+    const T* V = v + bh * s.S * s.Dv;
+    T* dK = dk + bh * s.S * s.D;
+    T* dV = dv + bh * s.S * s.Dv;
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      T* dQ = dq + (bh * s.T + t0) * s.D;
+      if (n == 0) {
+        std::fill(dQ, dQ + rows * s.D, T(0));
+        continue;
       }
+      const T* dO = dout + (bh * s.T + t0) * s.Dv;
+      const T* O = out + (bh * s.T + t0) * s.Dv;
+      Tensor p_t = matmul<T>(mat(Q + t0 * s.D, rows, s.D, s.D), mat(K, n, s.D, s.D, true));  // (1, rows, n)
+      T* P = p_t.data_ptr<T>();
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = P + r * n;
+        const int64_t nr = visible(s, t0 + r);
+        const T l = lse[bh * s.T + t0 + r];
+#pragma omp simd
+        for (int64_t j = 0; j < nr; ++j) row[j] = exp_of<T>(row[j] * scale - l);
+        std::fill(row + nr, row + n, T(0));
+      }
+      // dV[0:n] += P^T dO
+      Tensor dv_t = matmul<T>(mat(P, rows, n, n, true), mat(dO, rows, s.Dv, s.Dv));
+      const T* pdv = dv_t.data_ptr<T>();
+#pragma omp simd
+      for (int64_t i = 0; i < n * s.Dv; ++i) dV[i] += pdv[i];
+      // dS = P * (dO V^T - delta) * scale, in place of dP
+      Tensor ds_t = matmul<T>(mat(dO, rows, s.Dv, s.Dv), mat(V, n, s.Dv, s.Dv, true));  // (1, rows, n)
+      T* dS = ds_t.data_ptr<T>();
+      for (int64_t r = 0; r < rows; ++r) {
+        T delta = 0;
+        const T* dor = dO + r * s.Dv;
+        const T* orow = O + r * s.Dv;
+#pragma omp simd reduction(+ : delta)
+        for (int64_t d = 0; d < s.Dv; ++d) delta += dor[d] * orow[d];
+        T* ds = dS + r * n;
+        const T* pr = P + r * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
+      }
+      // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
+      Tensor dq_t = matmul<T>(ds_t, mat(K, n, s.D, s.D));
+      std::copy(dq_t.data_ptr<T>(), dq_t.data_ptr<T>() + rows * s.D, dQ);
+      Tensor dk_t = matmul<T>(mat(dS, rows, n, n, true), mat(Q + t0 * s.D, rows, s.D, s.D));
+      const T* pdk = dk_t.data_ptr<T>();
+#pragma omp simd
+      for (int64_t i = 0; i < n * s.D; ++i) dK[i] += pdk[i];
     }
-  });
+  }
 }
 
 template void attention_forward<float>(const float*, const float*, const float*, float*, float*, const AttentionShape&, float);

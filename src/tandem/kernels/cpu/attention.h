@@ -1,8 +1,9 @@
-// Fused scaled-dot-product attention on CPU. Works row by row: the scores of one query row
-// against the keys it may see (all, or j <= i when causal — masked keys are never computed)
-// are formed, softmaxed in f32 and applied to V; only the row's log-sum-exp is kept. Backward
-// recomputes each row's probabilities from Q, K and that log-sum-exp, so no T x T matrix is
-// ever stored. Buffers are contiguous (BH, T, D) in f32 or f64.
+// Fused scaled-dot-product attention on CPU. Works per head and per tile of up to 128 query
+// rows: the tile's scores against the keys it may see (causal: later keys are never computed)
+// come from one GEMM, are softmaxed in f32 and applied to V by a second GEMM; only each row's
+// log-sum-exp is kept. Backward recomputes a tile's probabilities from Q, K and that
+// log-sum-exp, so no T x T matrix outlives its tile. Buffers are contiguous (BH, T, D) in f32
+// or f64.
 #pragma once
 
 #include <cstdint>
