@@ -45,6 +45,7 @@ struct Window {
 int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t pad, int64_t dil, bool ceil_mode) {
   const int64_t span = dil * (k - 1) + 1;
   const int64_t num = in + 2 * pad - span;
+  if (num < 0) return 0;  // the window does not fit (C++ would truncate e.g. -1 / 2 to 0, one output)
   int64_t out = (ceil_mode ? (num + s - 1) / s : num / s) + 1;
   // PyTorch: the last window must start inside the input or the left padding.
   if (ceil_mode && (out - 1) * s >= in + pad) --out;
