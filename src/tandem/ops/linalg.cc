@@ -32,8 +32,12 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   check_pair(a, b, "matmul");
   TANDEM_CHECK(a.dim() >= 1 && b.dim() >= 1, ShapeError, "matmul: both operands need at least 1 dim, got {} and {}",
                shape_str(a.shape()), shape_str(b.shape()));
-  // Vectors become matrices, and the added dims are dropped from the result.
+  // Vectors become matrices, and the added dims are dropped from the result. The inner sizes
+  // are checked here so that the error names the caller's shapes, not the promoted ones.
   if (a.dim() == 1 || b.dim() == 1) {
+    const int64_t kb = b.dim() == 1 ? b.size(0) : b.size(-2);
+    TANDEM_CHECK(a.size(-1) == kb, ShapeError, "matmul: shapes {} and {} cannot be multiplied (inner sizes {} and {})",
+                 shape_str(a.shape()), shape_str(b.shape()), a.size(-1), kb);
     const Tensor a2 = a.dim() == 1 ? a.unsqueeze(0) : a;
     const Tensor b2 = b.dim() == 1 ? b.unsqueeze(-1) : b;
     Tensor r = matmul(a2, b2);

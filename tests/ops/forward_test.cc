@@ -1,0 +1,647 @@
+// Forward values of the ops on small hand-picked tensors, checked against values computed in
+// double with std:: functions or by hand.
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "ops/ops_test_util.h"
+
+namespace tandem {
+namespace {
+
+using ops_test::f64;
+using ops_test::i64;
+using ops_test::param;
+
+const std::vector<double> kVals{-2.5, -1.0, -0.3, 0.0, 0.4, 1.0, 2.2, 3.7};
+const std::vector<double> kPos{0.05, 0.3, 1.0, 2.0, 4.5, 9.0};
+
+// Applies `op` to a tensor of `vals` (in `dtype`) and compares with `ref` applied per element.
+void expect_unary(const std::function<Tensor(const Tensor&)>& op, double (*ref)(double),
+                  const std::vector<double>& vals, DType dtype, double rtol, double atol, const char* what) {
+  const Tensor x = tensor(vals, {2, static_cast<int64_t>(vals.size()) / 2}, dtype);
+  const Tensor y = op(x);
+  EXPECT_EQ(y.dtype(), dtype) << what;
+  std::vector<double> e;
+  // The reference runs on the values as stored (f32 rounding of the inputs).
+  for (double v : x.to_vector()) e.push_back(ref(v));
+  EXPECT_TRUE(testing::all_close(y, tensor(e, x.shape(), kFloat64), rtol, atol)) << what << " " << dtype_name(dtype);
+}
+
+double gelu_exact(double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); }
+double gelu_tanh(double v) {
+  return 0.5 * v * (1 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (v + 0.044715 * v * v * v)));
+}
+
+TEST(ForwardUnary, MatchesStdFunctions) {
+  for (DType dt : {kFloat64, kFloat32}) {
+    // f32: a few f32 ulps, plus an absolute term for gelu's 1 + erf cancellation at negative x.
+    const double rt = dt == kFloat64 ? 1e-14 : 2e-6, at = dt == kFloat64 ? 1e-15 : 3e-7;
+    expect_unary([](const Tensor& x) { return ops::neg(x); }, [](double v) { return -v; }, kVals, dt, 0, 0, "neg");
+    expect_unary([](const Tensor& x) { return ops::exp(x); }, [](double v) { return std::exp(v); }, kVals, dt, rt, at,
+                 "exp");
+    expect_unary([](const Tensor& x) { return ops::log(x); }, [](double v) { return std::log(v); }, kPos, dt, rt, at,
+                 "log");
+    expect_unary([](const Tensor& x) { return ops::sqrt(x); }, [](double v) { return std::sqrt(v); }, kPos, dt, rt, at,
+                 "sqrt");
+    expect_unary([](const Tensor& x) { return ops::rsqrt(x); }, [](double v) { return 1 / std::sqrt(v); }, kPos, dt, rt,
+                 at, "rsqrt");
+    expect_unary([](const Tensor& x) { return ops::square(x); }, [](double v) { return v * v; }, kVals, dt, rt, at,
+                 "square");
+    expect_unary([](const Tensor& x) { return ops::abs(x); }, [](double v) { return std::abs(v); }, kVals, dt, 0, 0,
+                 "abs");
+    expect_unary([](const Tensor& x) { return ops::relu(x); }, [](double v) { return v > 0 ? v : 0.0; }, kVals, dt, 0,
+                 0, "relu");
+    expect_unary([](const Tensor& x) { return ops::gelu(x); }, gelu_exact, kVals, dt, rt, at, "gelu");
+    expect_unary([](const Tensor& x) { return ops::gelu(x, "tanh"); }, gelu_tanh, kVals, dt, rt, at, "gelu tanh");
+    expect_unary([](const Tensor& x) { return ops::sigmoid(x); }, [](double v) { return 1 / (1 + std::exp(-v)); },
+                 kVals, dt, rt, at, "sigmoid");
+    expect_unary([](const Tensor& x) { return ops::tanh(x); }, [](double v) { return std::tanh(v); }, kVals, dt, rt, at,
+                 "tanh");
+    expect_unary([](const Tensor& x) { return ops::clamp(x, -1.0, 2.0); },
+                 [](double v) { return std::min(std::max(v, -1.0), 2.0); }, kVals, dt, 0, 0, "clamp");
+    expect_unary([](const Tensor& x) { return ops::pow(x, 2.5); }, [](double v) { return std::pow(v, 2.5); }, kPos, dt,
+                 rt, at, "pow 2.5");
+    expect_unary([](const Tensor& x) { return ops::pow(x, -0.5); }, [](double v) { return std::pow(v, -0.5); }, kPos,
+                 dt, rt, at, "pow -0.5");
+    expect_unary([](const Tensor& x) { return ops::pow(x, 3.0); }, [](double v) { return v * v * v; }, kVals, dt, rt,
+                 at, "pow 3");
+    expect_unary([](const Tensor& x) { return ops::add(x, 1.25); }, [](double v) { return v + 1.25; }, kVals, dt, rt,
+                 at, "add scalar");
+    expect_unary([](const Tensor& x) { return ops::mul(x, -3.0); }, [](double v) { return v * -3.0; }, kVals, dt, rt,
+                 at, "mul scalar");
+    expect_unary([](const Tensor& x) { return ops::div(x, 4.0); }, [](double v) { return v / 4.0; }, kVals, dt, rt, at,
+                 "div scalar");
+    expect_unary([](const Tensor& x) { return ops::rsub(x, 1.5); }, [](double v) { return 1.5 - v; }, kVals, dt, rt, at,
+                 "rsub");
+  }
+}
+
+TEST(ForwardUnary, GeluKnownValues) {
+  const Tensor one = f64({1.0, -1.0, 0.0}, {3});
+  const std::vector<double> exact = ops::gelu(one).to_vector();
+  const std::vector<double> approx = ops::gelu(one, "tanh").to_vector();
+  EXPECT_NEAR(exact[0], 0.8413447460685429, 1e-15);
+  EXPECT_NEAR(approx[0], 0.8411919906082768, 1e-15);
+  EXPECT_NEAR(exact[1], -0.15865525393145707, 1e-15);  // gelu(-1) = -Phi(-1)
+  EXPECT_NEAR(approx[1], -0.15880800939172324, 1e-15);
+  EXPECT_EQ(exact[2], 0.0);
+  EXPECT_NEAR(ops::gelu(one.to(kFloat32)).to_vector()[0], 0.8413447460685429, 1e-7);
+  EXPECT_NEAR(ops::gelu(one.to(kFloat32), "tanh").to_vector()[0], 0.8411919906082768, 1e-7);
+}
+
+TEST(ForwardUnary, GeluF32MatchesF64OverWideRange) {
+  // f32 gelu against the f64 formula on the same f32 values, from deep in the negative tail to
+  // large positive x. Dense f32 (contiguous, or transposed with a gradient of the same strides)
+  // takes the fused tanh kernel, which uses the cancellation-free form x * sigmoid(2u): a few
+  // f32 ulps relative. A strided (non-dense) view takes the plain f32 form 0.5 x (1 + tanh u),
+  // as PyTorch does: 1 + tanh(u) (or 1 + erf) loses what lies below 2^-24, an absolute error up
+  // to |x| 2^-24 < 1e-6 forward and |g x u'| 2^-23 < 1e-5 backward for |x| <= 9, |g| <= 1.
+  std::vector<double> xs, gs;
+  Generator gen(3);
+  const std::vector<double> gv = rand({1001}, kFloat64, &gen).to_vector();
+  for (int i = 0; i <= 1000; ++i) {
+    xs.push_back(-9.0 + 18.0 * i / 1000.0);
+    gs.push_back(2 * gv[static_cast<size_t>(i)] - 1);
+  }
+  const Tensor x32 = tensor(xs, {7, 143}, kFloat32), g32 = tensor(gs, {7, 143}, kFloat32);
+  struct Case {
+    const char* name;
+    Tensor x, g;
+    double atol_fwd, atol_bwd;
+  };
+  const std::vector<Case> cases{
+      {"contiguous", x32, g32, 1e-7, 1e-7},
+      {"transposed", x32.t(), g32.t(), 1e-7, 1e-7},
+      {"stepped", x32.slice(1, 0, 143, 2), g32.slice(1, 0, 143, 2), 1e-6, 1e-5},
+  };
+  for (const Case& c : cases) {
+    const Tensor x64 = c.x.to(kFloat64), g64 = c.g.to(kFloat64);
+    for (const char* approx : {"tanh", "none"}) {
+      const double af = std::string(approx) == "tanh" ? c.atol_fwd : 1e-6,
+                   ab = std::string(approx) == "tanh" ? c.atol_bwd : 1e-5;
+      const Tensor y = ops::gelu(c.x, approx);
+      EXPECT_EQ(y.dtype(), kFloat32);
+      EXPECT_TRUE(testing::all_close(y, ops::gelu(x64, approx), 4e-6, af)) << c.name << " " << approx;
+      const Tensor d32 = ops::gelu_backward(c.g, c.x, approx);
+      EXPECT_EQ(d32.dtype(), kFloat32);
+      const Tensor d64 = ops::gelu_backward(g64, x64, approx);
+      EXPECT_TRUE(testing::all_close(d32, d64, 4e-6, ab)) << c.name << " " << approx << " backward";
+      // Through autograd (the leaf is a contiguous copy, so its gradient may take the other path).
+      Tensor leaf32 = c.x.detach().clone();
+      leaf32.requires_grad_(true);
+      ops::sum(ops::mul(ops::gelu(leaf32, approx), c.g)).backward();
+      EXPECT_TRUE(testing::all_close(leaf32.grad(), d64, 4e-6, 1e-5)) << c.name << " " << approx << " autograd";
+    }
+  }
+}
+
+TEST(ForwardUnary, BackwardHelpersMatchDerivatives) {
+  const Tensor x = f64({-2.0, -0.5, 0.3, 1.7}, {4});
+  const Tensor g = f64({1.0, 2.0, -1.0, 0.5}, {4});
+  const std::vector<double> xe = x.to_vector(), ge = g.to_vector();
+  const std::vector<double> de = ops::gelu_backward(g, x, "none").to_vector();
+  const std::vector<double> dt = ops::gelu_backward(g, x, "tanh").to_vector();
+  for (size_t i = 0; i < xe.size(); ++i) {
+    const double v = xe[i], h = 1e-6;
+    EXPECT_NEAR(de[i], ge[i] * (gelu_exact(v + h) - gelu_exact(v - h)) / (2 * h), 1e-8);
+    EXPECT_NEAR(dt[i], ge[i] * (gelu_tanh(v + h) - gelu_tanh(v - h)) / (2 * h), 1e-8);
+  }
+  const Tensor y = ops::relu(x);
+  EXPECT_EQ(ops::relu_backward(g, y).to_vector(), (std::vector<double>{0, 0, -1.0, 0.5}));
+}
+
+TEST(ForwardBinary, BroadcastValues) {
+  const Tensor a = f64({1, 2, 3, 4, 5, 6}, {3, 1, 2});
+  const Tensor b = f64({10, 20, 30, 40}, {2, 2});
+  const std::vector<double> av = a.to_vector(), bv = b.to_vector();
+  auto expect = [&](const Tensor& y, const std::function<double(double, double)>& f, bool swapped, const char* what) {
+    ASSERT_EQ(y.shape(), (Shape{3, 2, 2})) << what;
+    std::vector<double> e;
+    for (int i = 0; i < 3; ++i)
+      for (int j = 0; j < 2; ++j)
+        for (int k = 0; k < 2; ++k) {
+          const double x = av[i * 2 + k], z = bv[j * 2 + k];
+          e.push_back(swapped ? f(z, x) : f(x, z));
+        }
+    EXPECT_TRUE(testing::all_close(y, tensor(e, y.shape(), kFloat64), 1e-15, 0)) << what;
+  };
+  expect(
+      ops::add(a, b), [](double x, double z) { return x + z; }, false, "add");
+  expect(
+      ops::add(b, a), [](double z, double x) { return z + x; }, true, "add swapped");
+  expect(
+      ops::sub(a, b), [](double x, double z) { return x - z; }, false, "sub");
+  expect(
+      ops::sub(b, a), [](double z, double x) { return z - x; }, true, "sub swapped");
+  expect(
+      ops::mul(a, b), [](double x, double z) { return x * z; }, false, "mul");
+  expect(
+      ops::div(a, b), [](double x, double z) { return x / z; }, false, "div");
+  expect(
+      ops::div(b, a), [](double z, double x) { return z / x; }, true, "div swapped");
+  expect(
+      ops::add(a, b, 0.5), [](double x, double z) { return x + 0.5 * z; }, false, "add alpha");
+  expect(
+      ops::sub(a, b, 2.0), [](double x, double z) { return x - 2.0 * z; }, false, "sub alpha");
+  expect(
+      ops::add(a.to(kFloat32), b.to(kFloat32), -0.25).to(kFloat64), [](double x, double z) { return x - 0.25 * z; },
+      false, "add alpha f32");
+  expect(
+      ops::pow(a, ops::mul(b, 0.05)), [](double x, double z) { return std::pow(x, 0.05 * z); }, false, "pow tensor");
+  expect(
+      ops::pow(ops::mul(b, 0.05), a), [](double z, double x) { return std::pow(0.05 * z, x); }, true,
+      "pow tensor swapped");
+  // Mixed dtypes promote like PyTorch: f32 with f64 -> f64, bf16 with f32 -> f32.
+  EXPECT_EQ(ops::add(a.to(kFloat32), b).dtype(), kFloat64);
+  EXPECT_EQ(ops::mul(a.to(kBFloat16), b.to(kFloat32)).dtype(), kFloat32);
+  EXPECT_EQ(ops::mul(a.to(kBFloat16), b.to(kFloat16)).dtype(), kFloat32);
+}
+
+TEST(ForwardBinary, StridedOperands) {
+  // Non-contiguous operands are read through their strides.
+  const Tensor a = f64({1, 2, 3, 4, 5, 6}, {2, 3});
+  const Tensor b = f64({1, 10, 100, 1000, 10000, 100000}, {3, 2});
+  EXPECT_EQ(ops::add(a, b.t()).to_vector(), (std::vector<double>{2, 102, 10003, 14, 1005, 100006}));
+  EXPECT_EQ(ops::mul(a.slice(1, 0, 3, 2), f64({2, 3}, {2})).to_vector(), (std::vector<double>{2, 9, 8, 18}));
+  EXPECT_EQ(ops::exp(a.t()).to_vector(), ops::exp(a).t().contiguous().to_vector());
+  EXPECT_EQ(ops::eq(a, a.t().t()).to_vector(), std::vector<double>(6, 1.0));
+  EXPECT_EQ(ops::gt(a, 3.5).to_vector(), (std::vector<double>{0, 0, 0, 1, 1, 1}));
+  EXPECT_EQ(ops::count_equal(a, f64({1, 0, 3, 0, 5, 7}, {2, 3})), 3);
+}
+
+TEST(ForwardReduce, SumMeanValues) {
+  const Tensor x = f64({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, {2, 3, 2});
+  EXPECT_EQ(ops::sum(x).item(), 78.0);
+  EXPECT_EQ(ops::sum(x).dim(), 0);
+  EXPECT_EQ(ops::mean(x).item(), 6.5);
+  EXPECT_EQ(ops::sum(x, {0}).to_vector(), (std::vector<double>{8, 10, 12, 14, 16, 18}));
+  EXPECT_EQ(ops::sum(x, {1}).to_vector(), (std::vector<double>{9, 12, 27, 30}));
+  EXPECT_EQ(ops::sum(x, {-1}).to_vector(), (std::vector<double>{3, 7, 11, 15, 19, 23}));
+  EXPECT_EQ(ops::sum(x, {0, 2}).to_vector(), (std::vector<double>{18, 26, 34}));
+  EXPECT_EQ(ops::sum(x, {0, 2}, true).shape(), (Shape{1, 3, 1}));
+  EXPECT_EQ(ops::sum(x, {}, true).shape(), (Shape{1, 1, 1}));
+  EXPECT_EQ(ops::sum(x, {-3, -1}).to_vector(), (std::vector<double>{18, 26, 34}));
+  EXPECT_EQ(ops::mean(x, {1}).to_vector(), (std::vector<double>{3, 4, 9, 10}));
+  EXPECT_EQ(ops::mean(x, {0, 1}, true).to_vector(), (std::vector<double>{6, 7}));
+  EXPECT_EQ(ops::mean(x, {0, 1}, true).shape(), (Shape{1, 1, 2}));
+  EXPECT_EQ(ops::sum(x.transpose(0, 2), {0}).to_vector(), (std::vector<double>{3, 15, 7, 19, 11, 23}));
+  // f32 sums accumulate in f64: 1 + 1e-8 * many does not get lost.
+  Tensor big = full({1 << 16}, 1e-4, kFloat32);
+  EXPECT_NEAR(ops::sum(big).item(), 6.5536, 1e-5);
+  EXPECT_EQ(ops::sum(big).dtype(), kFloat32);
+}
+
+TEST(ForwardReduce, MaxArgmax) {
+  const Tensor x = f64({3, 7, 7, 1, 9, 9, 2, 5, -1, 4, 4, 0}, {3, 4});
+  auto [v, i] = ops::max(x, 1);
+  EXPECT_EQ(v.to_vector(), (std::vector<double>{7, 9, 4}));
+  EXPECT_EQ(i.to_vector(), (std::vector<double>{1, 0, 1}));  // first index on ties
+  EXPECT_EQ(i.dtype(), kInt64);
+  auto [v0, i0] = ops::max(x, 0, true);
+  EXPECT_EQ(v0.shape(), (Shape{1, 4}));
+  EXPECT_EQ(v0.to_vector(), (std::vector<double>{9, 9, 7, 5}));
+  EXPECT_EQ(i0.to_vector(), (std::vector<double>{1, 1, 0, 1}));
+  EXPECT_EQ(ops::argmax(x, 1).to_vector(), (std::vector<double>{1, 0, 1}));
+  EXPECT_EQ(ops::argmax(x, -2, true).to_vector(), (std::vector<double>{1, 1, 0, 1}));
+  EXPECT_EQ(ops::argmax(x, -2, true).shape(), (Shape{1, 4}));
+  EXPECT_EQ(ops::max(x).item(), 9.0);
+  EXPECT_EQ(ops::max(x).dim(), 0);
+  // Ties: the gradient goes to the first maximum only.
+  Tensor p = param({2, 5, 5, 1}, {4});
+  ops::max(p, 0).first.backward();
+  EXPECT_EQ(p.grad().to_vector(), (std::vector<double>{0, 1, 0, 0}));
+  // NaN propagates (and is the argmax), in any position.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const Tensor n = f64({1, nan, 3, 5, 2, 4, nan, 0, nan}, {3, 3});
+  auto [nv, ni] = ops::max(n, 1);
+  EXPECT_TRUE(std::isnan(nv.to_vector()[0]));
+  EXPECT_EQ(nv.to_vector()[1], 5);
+  EXPECT_TRUE(std::isnan(nv.to_vector()[2]));
+  EXPECT_EQ(ni.to_vector(), (std::vector<double>{1, 0, 0}));
+  EXPECT_TRUE(std::isnan(ops::max(n).item()));
+  EXPECT_TRUE(std::isnan(ops::max(n.to(kFloat32)).item()));
+  EXPECT_EQ(ops::argmax(n.to(kBFloat16), 1).to_vector(), (std::vector<double>{1, 0, 0}));
+  // Integer inputs work for max/argmax (no gradient).
+  EXPECT_EQ(ops::max(i64({4, -2, 9, 9}, {2, 2}), 1).first.to_vector(), (std::vector<double>{4, 9}));
+  EXPECT_EQ(ops::argmax(i64({4, -2, 9, 9}, {2, 2}), 0).to_vector(), (std::vector<double>{1, 1}));
+}
+
+TEST(ForwardLinalg, MatmulValues) {
+  const Tensor a = f64({1, 2, 3, 4}, {2, 2}), b = f64({5, 6, 7, 8}, {2, 2});
+  for (DType dt : {kFloat64, kFloat32, kBFloat16, kFloat16}) {  // small integers: exact in every dtype
+    const Tensor y = ops::matmul(a.to(dt), b.to(dt));
+    EXPECT_EQ(y.dtype(), dt);
+    EXPECT_EQ(y.to_vector(), (std::vector<double>{19, 22, 43, 50})) << dtype_name(dt);
+    EXPECT_EQ(ops::matmul(a.to(dt).t(), b.to(dt)).to_vector(), (std::vector<double>{26, 30, 38, 44})) << dtype_name(dt);
+    EXPECT_EQ(ops::matmul(a.to(dt), b.to(dt).t()).to_vector(), (std::vector<double>{17, 23, 39, 53})) << dtype_name(dt);
+  }
+  const Tensor v = f64({1, -1}, {2});
+  EXPECT_EQ(ops::matmul(v, v).item(), 2.0);
+  EXPECT_EQ(ops::matmul(v, v).dim(), 0);
+  EXPECT_EQ(ops::matmul(v, b).to_vector(), (std::vector<double>{-2, -2}));
+  EXPECT_EQ(ops::matmul(a, v).to_vector(), (std::vector<double>{-1, -1}));
+  // A 2-d operand broadcast against a batch: (2,2) x (3,2,2) and (3,2,2) x (2,2).
+  for (DType dt : {kFloat64, kFloat32, kBFloat16, kFloat16}) {
+    const Tensor bb3 = ops::stack({b, ops::neg(b), ops::add(b, 1.0)}).to(dt);
+    EXPECT_EQ(ops::matmul(a.to(dt), bb3).to_vector(),
+              (std::vector<double>{19, 22, 43, 50, -19, -22, -43, -50, 22, 25, 50, 57}))
+        << dtype_name(dt);
+    EXPECT_EQ(ops::matmul(bb3, a.to(dt)).to_vector(),
+              (std::vector<double>{23, 34, 31, 46, -23, -34, -31, -46, 27, 40, 35, 52}))
+        << dtype_name(dt);
+  }
+  // Batched with a broadcast batch: (2,1,2,2) x (3,2,2) -> (2,3,2,2).
+  const Tensor ba = ops::stack({a, ops::mul(a, 2.0)}).unsqueeze(1);
+  const Tensor bb = ops::stack({b, ops::neg(b), ops::add(b, 1.0)});
+  for (DType dt : {kFloat64, kFloat32}) {
+    const Tensor y = ops::matmul(ba.to(dt), bb.to(dt));
+    ASSERT_EQ(y.shape(), (Shape{2, 3, 2, 2}));
+    const std::vector<double> yv = y.to_vector();
+    const std::vector<double> want{19, 22, 43, 50,  -19, -22, -43, -50,  22, 25, 50,  57,
+                                   38, 44, 86, 100, -38, -44, -86, -100, 44, 50, 100, 114};
+    EXPECT_EQ(yv, want) << dtype_name(dt);
+  }
+}
+
+TEST(ForwardLinalg, BackwardValues) {
+  // Small integers: every product and sum is exact in each dtype, so the gradients must be too.
+  // y = x W^T + b with x (2,3), W (2,3); upstream G (2,2): dx = G W, dW = G^T x, db = sum_rows G.
+  const Tensor xv = f64({1, 2, 3, 4, 5, 6}, {2, 3}), wv = f64({1, 0, -1, 2, 1, 0}, {2, 3});
+  const Tensor bv = f64({0.5, -0.5}, {2}), gv = f64({1, -2, 3, 1}, {2, 2});
+  for (DType dt : {kFloat64, kFloat32, kBFloat16, kFloat16}) {
+    // Fresh leaves (to() of the same dtype would return the constant itself).
+    auto fresh = [dt](const Tensor& v) {
+      Tensor t = v.to(dt).clone();
+      t.requires_grad_(true);
+      return t;
+    };
+    Tensor x = fresh(xv), w = fresh(wv), b = fresh(bv);
+    ops::linear(x, w, b).backward(gv.to(dt));
+    EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{-3, -2, -1, 5, 1, -3})) << dtype_name(dt);
+    EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{13, 17, 21, 2, 1, 0})) << dtype_name(dt);
+    EXPECT_EQ(b.grad().to_vector(), (std::vector<double>{4, -1})) << dtype_name(dt);
+    for (Tensor* t : {&x, &w, &b}) EXPECT_EQ(t->grad().dtype(), dt);
+    // matmul: y = x W^T through matmul of a transposed view gives the same gradients.
+    Tensor x2 = fresh(xv), w2 = fresh(wv);
+    ops::matmul(x2, w2.t()).backward(gv.to(dt));
+    EXPECT_EQ(x2.grad().to_vector(), (std::vector<double>{-3, -2, -1, 5, 1, -3})) << dtype_name(dt);
+    EXPECT_EQ(w2.grad().to_vector(), (std::vector<double>{13, 17, 21, 2, 1, 0})) << dtype_name(dt);
+  }
+}
+
+TEST(ForwardLinalg, LinearValues) {
+  const Tensor x = f64({1, 2, 3, 4, 5, 6}, {2, 3});
+  const Tensor w = f64({1, 0, -1, 2, 1, 0}, {2, 3});
+  const Tensor b = f64({0.5, -0.5}, {2});
+  for (DType dt : {kFloat64, kFloat32, kBFloat16, kFloat16}) {
+    EXPECT_EQ(ops::linear(x.to(dt), w.to(dt), b.to(dt)).to_vector(), (std::vector<double>{-1.5, 3.5, -1.5, 12.5}))
+        << dtype_name(dt);
+    EXPECT_EQ(ops::linear(x.to(dt), w.to(dt)).to_vector(), (std::vector<double>{-2, 4, -2, 13})) << dtype_name(dt);
+    EXPECT_EQ(ops::linear(x.to(dt), w.to(dt), b.to(dt)).dtype(), dt);
+  }
+  const Tensor y3 = ops::linear(x.reshape({2, 1, 3}), w, b);
+  EXPECT_EQ(y3.shape(), (Shape{2, 1, 2}));
+  EXPECT_EQ(ops::linear(f64({1, 2, 3}, {3}), w, b).to_vector(), (std::vector<double>{-1.5, 3.5}));
+  EXPECT_EQ(ops::linear(f64({1, 2, 3}, {3}), w, b).shape(), (Shape{2}));
+}
+
+TEST(ForwardSoftmax, ValuesAndNormalisation) {
+  const Tensor x = f64({1, 2, 3}, {3});
+  const std::vector<double> s = ops::softmax(x, 0).to_vector();
+  const double z = std::exp(1.0) + std::exp(2.0) + std::exp(3.0);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(s[i], std::exp(i + 1.0) / z, 1e-15);
+  const std::vector<double> ls = ops::log_softmax(x, 0).to_vector();
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(ls[i], i + 1.0 - std::log(z), 1e-14);
+  // Large logits do not overflow (max subtracted).
+  const std::vector<double> big = ops::softmax(f64({1000, 1000}, {2}), 0).to_vector();
+  EXPECT_EQ(big, (std::vector<double>{0.5, 0.5}));
+  EXPECT_NEAR(ops::log_softmax(f64({1000, 0}, {2}), 0).to_vector()[1], -1000.0, 1e-9);
+  // Every slice along the softmax dim sums to 1, for each dim of a 3-d tensor.
+  Generator g(5);
+  const Tensor t = randn({2, 3, 4}, kFloat64, &g);
+  for (int64_t d : {0, 1, 2, -1}) {
+    const Tensor sm = ops::softmax(t, d);
+    EXPECT_TRUE(testing::all_close(ops::sum(sm, {d}), ones(ops::sum(sm, {d}).shape(), kFloat64), 0, 1e-14)) << d;
+    EXPECT_TRUE(testing::all_close(ops::exp(ops::log_softmax(t, d)), sm, 1e-13, 1e-15)) << d;
+    for (DType dt : {kFloat32, kBFloat16}) {
+      const Tensor s2 = ops::softmax(t.to(dt), d);
+      EXPECT_EQ(s2.dtype(), dt);
+      EXPECT_TRUE(testing::all_close(ops::sum(s2.to(kFloat64), {d}), ones(ops::sum(sm, {d}).shape(), kFloat64), 0,
+                                     dt == kFloat32 ? 1e-6 : 2 * std::ldexp(1.0, -8)))
+          << d << " " << dtype_name(dt);
+    }
+  }
+  // Element (i, j, k) of softmax over dim 1 by hand.
+  const std::vector<double> tv = t.to_vector(), s1 = ops::softmax(t, 1).to_vector();
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) {
+      double zz = 0;
+      for (int j = 0; j < 3; ++j) zz += std::exp(tv[i * 12 + j * 4 + k]);
+      for (int j = 0; j < 3; ++j) EXPECT_NEAR(s1[i * 12 + j * 4 + k], std::exp(tv[i * 12 + j * 4 + k]) / zz, 1e-15);
+    }
+}
+
+// Cross entropy of one row by hand: -(1-eps) log p_t - eps/C sum_c log p_c.
+double ce_row(const std::vector<double>& x, int64_t t, double eps) {
+  double m = x[0];
+  for (double v : x) m = std::max(m, v);
+  double z = 0;
+  for (double v : x) z += std::exp(v - m);
+  const double lse = m + std::log(z);
+  double sum_logp = 0;
+  for (double v : x) sum_logp += v - lse;
+  return -(1 - eps) * (x[static_cast<size_t>(t)] - lse) - eps / static_cast<double>(x.size()) * sum_logp;
+}
+
+TEST(ForwardLoss, CrossEntropyByHand) {
+  const std::vector<std::vector<double>> rows{{0.5, -1.0, 2.0, 0.0}, {1.5, 1.5, -0.5, 3.0}, {-2.0, 0.1, 0.2, 0.3}};
+  std::vector<double> flat;
+  for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+  const Tensor x = f64(flat, {3, 4});
+  const Tensor t = i64({2, 0, 3}, {3});
+  for (double eps : {0.0, 0.1}) {
+    std::vector<double> per;
+    for (int r = 0; r < 3; ++r) per.push_back(ce_row(rows[r], t.to_vector()[r], eps));
+    const double total = per[0] + per[1] + per[2];
+    EXPECT_NEAR(ops::cross_entropy(x, t, {.label_smoothing = eps}).item(), total / 3, 1e-14) << eps;
+    EXPECT_NEAR(ops::cross_entropy(x, t, {.label_smoothing = eps, .reduction = "sum"}).item(), total, 1e-14) << eps;
+    const Tensor none = ops::cross_entropy(x, t, {.label_smoothing = eps, .reduction = "none"});
+    EXPECT_EQ(none.shape(), (Shape{3}));
+    EXPECT_TRUE(testing::all_close(none, f64(per, {3}), 1e-14, 1e-15)) << eps;
+    // Ignored targets contribute 0 and are not counted in the mean.
+    const Tensor ti = i64({2, -100, 3}, {3});
+    EXPECT_NEAR(ops::cross_entropy(x, ti, {.label_smoothing = eps}).item(), (per[0] + per[2]) / 2, 1e-14) << eps;
+    EXPECT_EQ(ops::cross_entropy(x, ti, {.label_smoothing = eps, .reduction = "none"}).to_vector()[1], 0.0);
+    const Tensor t0 = i64({0, 0, 3}, {3});
+    const double p0 = ce_row(rows[0], 0, eps), p1 = ce_row(rows[1], 0, eps);
+    EXPECT_NEAR(ops::cross_entropy(x, t0, {.ignore_index = 3, .label_smoothing = eps}).item(), (p0 + p1) / 2, 1e-14);
+    // f32 input: f32 loss, same value to f32 accuracy.
+    const Tensor l32 = ops::cross_entropy(x.to(kFloat32), t, {.label_smoothing = eps});
+    EXPECT_EQ(l32.dtype(), kFloat32);
+    EXPECT_NEAR(l32.item(), total / 3, 1e-6);
+  }
+  // Label smoothing by hand on a 2-class row: x = (0, ln 3) -> p = (1/4, 3/4), target 1, eps 0.1:
+  // loss = -0.95 ln(3/4) - 0.05 ln(1/4).
+  const double hand = -0.95 * std::log(0.75) - 0.05 * std::log(0.25);
+  EXPECT_NEAR(ops::cross_entropy(f64({0, std::log(3.0)}, {1, 2}), i64({1}, {1}), {.label_smoothing = 0.1}).item(), hand,
+              1e-15);
+  // 1-d input with a 0-d target, and a 4-d input.
+  EXPECT_NEAR(ops::cross_entropy(f64(rows[1], {4}), i64({3}, {})).item(), ce_row(rows[1], 3, 0.0), 1e-14);
+  EXPECT_EQ(ops::cross_entropy(f64(rows[1], {4}), i64({3}, {}), {.reduction = "none"}).dim(), 0);
+  // (N=1, C=4, H=1, W=3) whose spatial positions are the rows above.
+  const Tensor x4 = f64(flat, {3, 4}).t().reshape({1, 4, 1, 3});
+  const Tensor t4 = i64({2, 0, 3}, {1, 1, 3});
+  const Tensor n4 = ops::cross_entropy(x4, t4, {.reduction = "none"});
+  EXPECT_EQ(n4.shape(), (Shape{1, 1, 3}));
+  EXPECT_TRUE(testing::all_close(n4.reshape({3}), ops::cross_entropy(x, t, {.reduction = "none"}), 1e-14, 0));
+}
+
+TEST(ForwardLoss, NllAndMse) {
+  const Tensor lp = f64({-0.1, -2.0, -3.0, -1.2, -0.4, -2.5}, {2, 3});
+  EXPECT_NEAR(ops::nll_loss(lp, i64({0, 2}, {2})).item(), (0.1 + 2.5) / 2, 1e-15);
+  EXPECT_NEAR(ops::nll_loss(lp, i64({0, 2}, {2}), {.reduction = "sum"}).item(), 2.6, 1e-15);
+  EXPECT_EQ(ops::nll_loss(lp, i64({1, 1}, {2}), {.reduction = "none"}).to_vector(), (std::vector<double>{2.0, 0.4}));
+  EXPECT_NEAR(ops::nll_loss(lp, i64({1, -100}, {2})).item(), 2.0, 1e-15);
+  EXPECT_NEAR(ops::nll_loss(lp, i64({1, 0}, {2}), {.ignore_index = 0}).item(), 2.0, 1e-15);
+  EXPECT_NEAR(ops::nll_loss(f64({-0.1, -2.0, -3.0}, {3}), i64({1}, {})).item(), 2.0, 1e-15);
+  // nll(log_softmax) == cross_entropy.
+  EXPECT_NEAR(ops::nll_loss(ops::log_softmax(lp, 1), i64({0, 2}, {2})).item(),
+              ops::cross_entropy(lp, i64({0, 2}, {2})).item(), 1e-15);
+  const Tensor a = f64({1, 2, 3, 4}, {2, 2}), b = f64({0, 2, 5, 3}, {2, 2});
+  EXPECT_EQ(ops::mse_loss(a, b).item(), 1.5);
+  EXPECT_EQ(ops::mse_loss(a, b, "sum").item(), 6.0);
+  EXPECT_EQ(ops::mse_loss(a, b, "none").to_vector(), (std::vector<double>{1, 0, 4, 1}));
+}
+
+TEST(ForwardDropout, MaskAndScaling) {
+  const Tensor x = full({100, 100}, 2.0, kFloat64);
+  for (double p : {0.1, 0.5, 0.9}) {
+    Generator g(7);
+    const std::vector<double> y = ops::dropout(x, p, true, &g).to_vector();
+    int64_t zeros_n = 0;
+    for (double v : y) {
+      if (v == 0)
+        ++zeros_n;
+      else
+        EXPECT_NEAR(v, 2.0 / (1.0 - p), 1e-12);
+    }
+    // 10000 Bernoulli(p): the dropped fraction is within 5 standard deviations of p.
+    const double sd = std::sqrt(p * (1 - p) / 10000.0);
+    EXPECT_NEAR(static_cast<double>(zeros_n) / 10000.0, p, 5 * sd) << p;
+    // Same seed, same mask; different seed, different mask.
+    Generator g2(7), g3(8);
+    EXPECT_EQ(ops::dropout(x, p, true, &g2).to_vector(), y);
+    EXPECT_NE(ops::dropout(x, p, true, &g3).to_vector(), y);
+  }
+  Generator g(1);
+  EXPECT_TRUE(ops::dropout(x, 0.5, false, &g).is_same(x));  // eval: identity
+  EXPECT_TRUE(ops::dropout(x, 0.0, true, &g).is_same(x));
+  EXPECT_EQ(ops::dropout(x, 1.0, true, &g).to_vector(), std::vector<double>(10000, 0.0));
+  // The generator advances: two calls give different masks.
+  Generator g4(3);
+  EXPECT_NE(ops::dropout(x, 0.5, true, &g4).to_vector(), ops::dropout(x, 0.5, true, &g4).to_vector());
+  // bf16 keeps its dtype; survivors are exactly 2 * 2 = 4.
+  Generator g5(3);
+  const Tensor yb = ops::dropout(x.to(kBFloat16), 0.5, true, &g5);
+  EXPECT_EQ(yb.dtype(), kBFloat16);
+  for (double v : yb.to_vector()) EXPECT_TRUE(v == 0.0 || v == 4.0) << v;
+}
+
+TEST(ForwardShape, ViewsAndCopies) {
+  const Tensor x = f64({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {2, 3, 2});
+  EXPECT_EQ(x.permute({2, 0, 1}).contiguous().to_vector(), (std::vector<double>{0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11}));
+  EXPECT_EQ(x.transpose(0, 1).contiguous().to_vector(), (std::vector<double>{0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11}));
+  EXPECT_EQ(x.slice(1, 0, 3, 2).to_vector(), (std::vector<double>{0, 1, 4, 5, 6, 7, 10, 11}));
+  EXPECT_EQ(x.slice(1, -2, 100).to_vector(), (std::vector<double>{2, 3, 4, 5, 8, 9, 10, 11}));
+  EXPECT_EQ(x.narrow(2, 1, 1).to_vector(), (std::vector<double>{1, 3, 5, 7, 9, 11}));
+  EXPECT_EQ(x.select(1, -1).to_vector(), (std::vector<double>{4, 5, 10, 11}));
+  EXPECT_EQ(x.select(1, -1).shape(), (Shape{2, 2}));
+  EXPECT_EQ(x.flatten(1).shape(), (Shape{2, 6}));
+  EXPECT_EQ(x.flatten(0, 1).shape(), (Shape{6, 2}));
+  EXPECT_EQ(x.view({-1, 4}).shape(), (Shape{3, 4}));
+  EXPECT_EQ(x.transpose(1, 2).reshape({2, 6}).to_vector(), (std::vector<double>{0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11}));
+  EXPECT_EQ(x.narrow(1, 0, 1).expand({2, 4, 2}).to_vector(),
+            (std::vector<double>{0, 1, 0, 1, 0, 1, 0, 1, 6, 7, 6, 7, 6, 7, 6, 7}));
+  EXPECT_EQ(x.unsqueeze(1).shape(), (Shape{2, 1, 3, 2}));
+  EXPECT_EQ(x.unsqueeze(-1).shape(), (Shape{2, 3, 2, 1}));
+  EXPECT_EQ(x.unsqueeze(1).squeeze(1).shape(), (Shape{2, 3, 2}));
+  EXPECT_EQ(x.squeeze(0).shape(), (Shape{2, 3, 2}));
+  // Views share storage; clone does not.
+  Tensor y = x.clone();
+  Tensor v = y.view({12});
+  v.fill_(1.0);
+  EXPECT_EQ(y.to_vector(), std::vector<double>(12, 1.0));
+  EXPECT_EQ(x.to_vector()[5], 5.0);  // the original is untouched
+  EXPECT_TRUE(x.to(kFloat64).is_same(x));
+  // to() of strided views converts element by element in view order, and its gradient comes
+  // back in the source dtype.
+  for (DType dt : {kFloat32, kBFloat16, kFloat16}) {
+    const Tensor c = x.permute({2, 0, 1}).slice(2, 0, 3, 2).to(dt);
+    EXPECT_EQ(c.dtype(), dt);
+    EXPECT_EQ(c.to_vector(), (std::vector<double>{0, 4, 6, 10, 1, 5, 7, 11})) << dtype_name(dt);
+  }
+  Tensor p = param({0.5, 1.5, -2.0, 3.0}, {2, 2});
+  Tensor q = p.t().to(kFloat32);
+  ops::sum(ops::mul(q, tensor(std::vector<double>{1, 2, 3, 4}, {2, 2}, kFloat32))).backward();
+  EXPECT_EQ(p.grad().dtype(), kFloat64);
+  EXPECT_EQ(p.grad().to_vector(), (std::vector<double>{1, 3, 2, 4}));
+}
+
+TEST(ForwardShape, CatStackSplitGather) {
+  const Tensor a = f64({1, 2, 3, 4}, {2, 2}), b = f64({5, 6}, {1, 2}), c = f64({7, 8, 9, 10, 11, 12}, {3, 2});
+  EXPECT_EQ(ops::cat({a, b, c}, 0).to_vector(), (std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
+  EXPECT_EQ(ops::cat({a, a.t(), f64({0, 0}, {2, 1})}, 1).to_vector(),
+            (std::vector<double>{1, 2, 1, 3, 0, 3, 4, 2, 4, 0}));
+  EXPECT_EQ(ops::cat({a, b.to(kFloat32)}, 0).dtype(), kFloat64);
+  EXPECT_EQ(ops::stack({a, a}, 1).to_vector(), (std::vector<double>{1, 2, 1, 2, 3, 4, 3, 4}));
+  EXPECT_EQ(ops::stack({a, a}, -1).to_vector(), (std::vector<double>{1, 1, 2, 2, 3, 3, 4, 4}));
+  EXPECT_EQ(ops::stack({a, a}, 2).shape(), (Shape{2, 2, 2}));
+  const Tensor r = f64({0, 1, 2, 3, 4, 5, 6}, {7});
+  std::vector<Tensor> s = ops::split(r, 3);
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_EQ(s[2].to_vector(), (std::vector<double>{6}));
+  std::vector<Tensor> sw = ops::split_with_sizes(r, {2, 0, 5});
+  ASSERT_EQ(sw.size(), 3u);
+  EXPECT_EQ(sw[1].numel(), 0);
+  EXPECT_EQ(sw[2].to_vector(), (std::vector<double>{2, 3, 4, 5, 6}));
+  auto sizes = [](const std::vector<Tensor>& v) {
+    std::vector<int64_t> out;
+    for (const Tensor& t : v) out.push_back(t.numel());
+    return out;
+  };
+  EXPECT_EQ(sizes(ops::chunk(r, 3)), (std::vector<int64_t>{3, 3, 1}));
+  EXPECT_EQ(sizes(ops::chunk(r, 7)), (std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(sizes(ops::chunk(r, 10)), (std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(sizes(ops::chunk(f64({0, 1, 2, 3, 4, 5}, {6}), 4)), (std::vector<int64_t>{2, 2, 2}));  // PyTorch: 3 chunks
+  EXPECT_EQ(ops::index_select(c, 0, i64({2, 0, 2}, {3})).to_vector(), (std::vector<double>{11, 12, 7, 8, 11, 12}));
+  EXPECT_EQ(ops::index_select(c, 1, i64({1, 1, 0}, {3})).to_vector(),
+            (std::vector<double>{8, 8, 7, 10, 10, 9, 12, 12, 11}));
+  EXPECT_EQ(ops::index_select(c.t(), 0, i64({1}, {1})).to_vector(), (std::vector<double>{8, 10, 12}));
+  EXPECT_EQ(ops::index_select(c, 0, i64({1, 0}, {2}).to(kInt32)).to_vector(), (std::vector<double>{9, 10, 7, 8}));
+  const Tensor e = ops::embedding(c, i64({2, 2, 0, 1}, {2, 2}));
+  EXPECT_EQ(e.shape(), (Shape{2, 2, 2}));
+  EXPECT_EQ(e.to_vector(), (std::vector<double>{11, 12, 11, 12, 7, 8, 9, 10}));
+  // Gradients of duplicate indices add up.
+  Tensor w = param({1, 2, 3, 4, 5, 6}, {3, 2});
+  ops::sum(ops::index_select(w, 0, i64({2, 0, 2}, {3}))).backward();
+  EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{1, 1, 0, 0, 2, 2}));
+  Tensor w2 = param({1, 2, 3, 4, 5, 6}, {3, 2});
+  ops::sum(ops::embedding(w2, i64({2, 2, 0, 2}, {4}), 0)).backward();
+  EXPECT_EQ(w2.grad().to_vector(), (std::vector<double>{0, 0, 0, 0, 3, 3}));
+}
+
+}  // namespace
+}  // namespace tandem
+
+namespace tandem {
+namespace {
+
+// Sets the intra-op thread count for a scope.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : prev_(get_num_threads()) { set_num_threads(n); }
+  ~ThreadCount() { set_num_threads(prev_); }
+
+ private:
+  int prev_;
+};
+
+// Tensors large enough that the kernels split their loops into several parallel chunks (the
+// elementwise grain is 32768 elements); results must not depend on the thread count.
+TEST(ForwardLarge, ParallelChunksMatchReference) {
+  Generator g(11);
+  const int64_t R = 3, N = 50000;
+  const Tensor a = randn({R, N}, kFloat64, &g), b = randn({N}, kFloat64, &g);
+  const std::vector<double> av = a.to_vector(), bv = b.to_vector();
+  for (int threads : {1, 4}) {
+    ThreadCount tc(threads);
+    // Broadcast binary op and a unary op on a transposed view.
+    const std::vector<double> s = ops::mul(a, b).to_vector();
+    const std::vector<double> e = ops::exp(a.t()).to_vector();
+    const std::vector<double> srow = ops::sum(a, {1}).to_vector(), scol = ops::sum(a, {0}).to_vector();
+    size_t bad = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      double acc = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        const double x = av[r * N + n];
+        bad += s[r * N + n] != x * bv[n];
+        bad += e[n * R + r] != std::exp(x);
+        acc += x;
+      }
+      EXPECT_NEAR(srow[r], acc, 1e-9) << threads;
+    }
+    for (int64_t n = 0; n < N; n += 997) EXPECT_NEAR(scol[n], av[n] + av[N + n] + av[2 * N + n], 1e-12);
+    // One long strided row (every other element): split across threads by element offset.
+    const std::vector<double> st = ops::mul(a.reshape({-1}).slice(0, 1, R * N, 2), 2.0).to_vector();
+    for (size_t k = 0; k < st.size(); ++k) bad += st[k] != 2.0 * av[2 * k + 1];
+    EXPECT_EQ(bad, 0u) << threads;
+    // Softmax and cross entropy over many rows.
+    const Tensor logits = a.reshape({-1, 10});
+    const Tensor sm = ops::softmax(logits, 1);
+    EXPECT_TRUE(testing::all_close(ops::sum(sm, {1}), ones({R * N / 10}, kFloat64), 0, 1e-12)) << threads;
+    const Tensor tgt = randint(0, 10, {R * N / 10}, &g);
+    const std::vector<double> lv = logits.to_vector(), tv = tgt.to_vector();
+    const std::vector<double> ce = ops::cross_entropy(logits, tgt, {.reduction = "none"}).to_vector();
+    for (size_t r = 0; r < ce.size(); r += 1499) {
+      std::vector<double> row(lv.begin() + static_cast<long>(r * 10), lv.begin() + static_cast<long>(r * 10 + 10));
+      EXPECT_NEAR(ce[r], ce_row(row, static_cast<int64_t>(tv[r]), 0.0), 1e-12) << r;
+    }
+  }
+  // The dropout mask depends only on the generator, not on the thread count.
+  std::vector<double> masks[2];
+  for (int k = 0; k < 2; ++k) {
+    ThreadCount tc(k == 0 ? 1 : 4);
+    Generator gd(5);
+    masks[k] = ops::dropout(a, 0.3, true, &gd).to_vector();
+  }
+  EXPECT_EQ(masks[0], masks[1]);
+}
+
+}  // namespace
+}  // namespace tandem
