@@ -24,9 +24,18 @@ void add_into(Tensor& slot, Tensor&& g) {
   if (!g.defined()) return;
   if (!slot.defined()) {
     slot = std::move(g);
+    return;
+  }
+  NoGradGuard no_grad;
+  // In place when nothing else can see the slot's buffer (the common case: a buffer that an
+  // earlier gradient function made for us); otherwise out of place, as the slot may be the very
+  // tensor another consumer received.
+  const bool exclusive = slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1 && !slot.requires_grad() &&
+                         slot.is_contiguous() && slot.shape() == g.shape() && slot.dtype() == g.dtype();
+  if (exclusive) {
+    slot.add_(g);
   } else {
-    NoGradGuard no_grad;
-    Tensor sum = slot.clone();  // out of place: slot may be shared with another consumer
+    Tensor sum = slot.clone();
     sum.add_(g);
     slot = std::move(sum);
   }

@@ -299,14 +299,30 @@ void row_stats(const T* x, int64_t rows, int64_t D, double eps, std::vector<doub
   rstd.resize(static_cast<size_t>(rows));
   parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(D, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
+      // Partial sums in the input's accumulation type (f32 for f32/bf16/f16, vectorised) over
+      // blocks of 256, gathered in f64.
+      using P = Acc<T>;
       const T* p = x + r * D;
       double s = 0;
-      for (int64_t j = 0; j < D; ++j) s += static_cast<double>(static_cast<compute_t<T>>(p[j]));
+      for (int64_t j0 = 0; j0 < D; j0 += 256) {
+        const int64_t j1 = std::min(D, j0 + 256);
+        P b = 0;
+#pragma omp simd reduction(+ : b)
+        for (int64_t j = j0; j < j1; ++j) b += static_cast<P>(static_cast<compute_t<T>>(p[j]));
+        s += b;
+      }
       const double m = s / static_cast<double>(D);
+      const P mp = static_cast<P>(m);
       double v = 0;
-      for (int64_t j = 0; j < D; ++j) {
-        const double d = static_cast<double>(static_cast<compute_t<T>>(p[j])) - m;
-        v += d * d;
+      for (int64_t j0 = 0; j0 < D; j0 += 256) {
+        const int64_t j1 = std::min(D, j0 + 256);
+        P b = 0;
+#pragma omp simd reduction(+ : b)
+        for (int64_t j = j0; j < j1; ++j) {
+          const P d = static_cast<P>(static_cast<compute_t<T>>(p[j])) - mp;
+          b += d * d;
+        }
+        v += b;
       }
       mean[r] = m;
       rstd[r] = 1.0 / std::sqrt(v / static_cast<double>(D) + eps);
