@@ -166,9 +166,10 @@ TEST(Module, StateDictRoundTrip) {
   td::manual_seed(2);
   WithBuffers b;
   const nn::StateDict sd = a.state_dict();
-  EXPECT_EQ(names(sd), (std::vector<std::string>{"lin.weight", "lin.bias", "running"}));  // no non-persistent
+  // PyTorch's order: the module's own parameters and persistent buffers, then its children's.
+  EXPECT_EQ(names(sd), (std::vector<std::string>{"running", "lin.weight", "lin.bias"}));  // no non-persistent
   EXPECT_EQ(names(a.named_buffers()), (std::vector<std::string>{"running", "scratch"}));
-  EXPECT_TRUE(sd[0].second.is_same(a.lin->weight));  // values shared, not copied
+  EXPECT_TRUE(sd[1].second.is_same(a.lin->weight));  // values shared, not copied
   ASSERT_NE(a.lin->weight.to_vector(), b.lin->weight.to_vector());
   Tensor b_weight = b.lin->weight;
   {

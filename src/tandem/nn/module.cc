@@ -1,6 +1,7 @@
 #include "tandem/nn/module.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -145,12 +146,16 @@ void Module::zero_grad(bool set_to_none) {
 }
 
 StateDict Module::state_dict() const {
+  // PyTorch's order: each module's own parameters, then its persistent buffers, then its
+  // children's, depth first ("features.1.weight", "features.1.bias", "features.1.running_mean").
   StateDict out;
-  std::vector<const TensorImpl*> seen;
-  collect("", true, true, false, false, out, seen);
-  NamedTensors bufs;
-  collect("", false, true, true, false, bufs, seen);
-  out.insert(out.end(), bufs.begin(), bufs.end());
+  std::function<void(const Module&, const std::string&)> walk = [&](const Module& m, const std::string& prefix) {
+    std::vector<const TensorImpl*> seen;
+    m.collect(prefix, true, false, false, false, out, seen);
+    m.collect(prefix, false, false, true, false, out, seen);
+    for (const auto& [name, child] : m.children_) walk(*child, prefix + name + ".");
+  };
+  walk(*this, "");
   return out;
 }
 
