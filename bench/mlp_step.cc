@@ -12,15 +12,13 @@
 // zero_grad / forward / loss / backward / optimizer process CPU time, plus allocator calls per step, and
 // one line per GEMM of the step timed on its own.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
-#include <ctime>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/tandem.h"
 
@@ -28,94 +26,34 @@ namespace td = tandem;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using td::bench::Timing;
+using td::bench::time_loop;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-// CPU time of the whole process: on one thread it is the work done, without the time other
-// processes on a shared machine took the core away.
-double process_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-struct Args {
-  int threads = 1;
+struct Args : td::bench::CommonArgs {
   int64_t batch = 128;
-  double seconds = 3.0;     // timed wall time per workload (at least min_steps iterations)
-  int64_t min_steps = 50;
-  int64_t warmup = 10;
   std::string only;         // "", "mlp" or "gemm"
-  std::string dtype;        // "", "f32" or "bf16"
-  bool phases = false;
+  Args() {
+    min_steps = 50;
+    warmup = 10;
+  }
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  if (const char* e = std::getenv("TANDEM_BENCH_PHASES"); e != nullptr && std::string(e) != "0" && *e) a.phases = true;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw td::ValueError(fmt::format("{} needs a value", k));
-      return argv[++i];
-    };
-    if (k == "--threads") a.threads = std::stoi(value());
-    else if (k == "--batch") a.batch = std::stoll(value());
-    else if (k == "--seconds") a.seconds = std::stod(value());
-    else if (k == "--min-steps") a.min_steps = std::stoll(value());
-    else if (k == "--warmup") a.warmup = std::stoll(value());
-    else if (k == "--only") a.only = value();
-    else if (k == "--dtype") a.dtype = value();
-    else if (k == "--phases") a.phases = true;
-    else if (k == "--help" || k == "-h") {
-      std::printf("usage: mlp_step_bench [--threads T] [--batch B] [--seconds S] [--min-steps N] [--warmup W] "
-                  "[--only mlp|gemm] [--dtype f32|bf16] [--phases]\n");
-      std::exit(0);
-    } else {
-      throw td::ValueError(fmt::format("unknown argument \"{}\" (try --help)", k));
-    }
-  }
+  td::bench::parse_args(argc, argv, a,
+                        "mlp_step_bench [--threads T] [--batch B] [--seconds S] [--min-steps N] [--warmup W] "
+                        "[--only mlp|gemm] [--dtype f32|bf16] [--phases]",
+                        [&](const std::string& k, auto& value) {
+                          if (k == "--batch") a.batch = std::stoll(value());
+                          else if (k == "--only") a.only = value();
+                          else return false;
+                          return true;
+                        });
   TANDEM_CHECK(a.only.empty() || a.only == "mlp" || a.only == "gemm", td::ValueError, "--only must be mlp or gemm");
   TANDEM_CHECK(a.dtype.empty() || a.dtype == "f32" || a.dtype == "bf16", td::ValueError, "--dtype must be f32 or bf16");
   TANDEM_CHECK(a.threads >= 1 && a.batch >= 1 && a.min_steps >= 1 && a.warmup >= 0, td::ValueError,
                "--threads, --batch, --min-steps must be >= 1 and --warmup >= 0");
   return a;
-}
-
-double median_of(std::vector<double> s) {
-  std::sort(s.begin(), s.end());
-  const size_t n = s.size();
-  return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
-}
-
-// Per-iteration wall and process-CPU times; reports medians (robust on a shared machine), the
-// mean and the best.
-struct Timing {
-  std::vector<double> t, cpu;
-  double median() const { return median_of(t); }
-  double cpu_median() const { return median_of(cpu); }
-  double mean() const {
-    double sum = 0;
-    for (double x : t) sum += x;
-    return sum / static_cast<double>(t.size());
-  }
-  double min() const { return *std::min_element(t.begin(), t.end()); }
-};
-
-template <class F>
-Timing time_loop(const Args& a, F&& fn) {
-  for (int64_t i = 0; i < a.warmup; ++i) fn();
-  Timing tm;
-  const auto start = Clock::now();
-  while (static_cast<int64_t>(tm.t.size()) < a.min_steps || seconds_since(start) < a.seconds) {
-    const double c0 = process_cpu_seconds();
-    const auto t0 = Clock::now();
-    fn();
-    tm.t.push_back(seconds_since(t0));
-    tm.cpu.push_back(process_cpu_seconds() - c0);
-  }
-  return tm;
 }
 
 // ---- the two models ----
@@ -146,11 +84,6 @@ Bf16Mlp bf16_view(const td::nn::Sequential& seq) {
 
 constexpr int64_t kPoolBatches = 64;
 
-struct Phases {
-  double zero_grad = 0, forward = 0, loss = 0, backward = 0, step = 0;
-  int64_t allocs = 0, system_allocs = 0, steps = 0;
-};
-
 void bench_mlp(const Args& a, const std::string& dtype) {
   td::manual_seed(0);
   auto model = td::nn::models::mlp();
@@ -166,16 +99,7 @@ void bench_mlp(const Args& a, const std::string& dtype) {
   const bool is_bf16 = dtype == "bf16";
   auto forward = [&](const td::Tensor& in) { return is_bf16 ? bf16(in) : (*model)(in); };
 
-  auto step = [&] {
-    const td::Tensor& x = xs[next % xs.size()];
-    const td::Tensor& y = ys[next % ys.size()];
-    ++next;
-    opt.zero_grad();
-    td::Tensor loss = td::ops::cross_entropy(forward(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
+  auto step = [&] { return td::bench::train_step(xs, ys, next, opt, forward); };
   const Timing tm = time_loop(a, [&] { step(); });
   const double last_loss = step().item();
   const double med = tm.median();
@@ -189,40 +113,7 @@ void bench_mlp(const Args& a, const std::string& dtype) {
   std::fflush(stdout);
 
   if (!a.phases) return;
-  // The same step with a process-CPU clock between phases (everything is synchronous on CPU).
-  Phases ph;
-  auto& alloc = td::cpu_allocator();
-  const auto t_end = Clock::now() + std::chrono::duration<double>(a.seconds);
-  while (ph.steps < a.min_steps || Clock::now() < t_end) {
-    const td::Tensor& x = xs[next % xs.size()];
-    const td::Tensor& y = ys[next % ys.size()];
-    ++next;
-    const auto s0 = alloc.stats();
-    double t0 = process_cpu_seconds(), t1;
-    opt.zero_grad();
-    ph.zero_grad += (t1 = process_cpu_seconds()) - t0;
-    const td::Tensor logits = forward(x);
-    ph.forward += (t0 = process_cpu_seconds()) - t1;
-    td::Tensor loss = td::ops::cross_entropy(logits, y);
-    ph.loss += (t1 = process_cpu_seconds()) - t0;
-    loss.backward();
-    ph.backward += (t0 = process_cpu_seconds()) - t1;
-    opt.step();
-    ph.step += process_cpu_seconds() - t0;
-    const auto s1 = alloc.stats();
-    ph.allocs += s1.num_allocs - s0.num_allocs;
-    ph.system_allocs += s1.num_system_allocs - s0.num_system_allocs;
-    ++ph.steps;
-  }
-  const double n = static_cast<double>(ph.steps);
-  std::printf(
-      "{\"name\":\"mlp_step_phases\",\"impl\":\"tandem\",\"dtype\":\"%s\",\"steps\":%lld,\"zero_grad_ms\":%.3f,"
-      "\"forward_ms\":%.3f,\"loss_ms\":%.3f,\"backward_ms\":%.3f,\"optimizer_ms\":%.3f,\"allocs_per_step\":%.1f,"
-      "\"system_allocs_per_step\":%.2f}\n",
-      dtype.c_str(), static_cast<long long>(ph.steps), 1e3 * ph.zero_grad / n, 1e3 * ph.forward / n,
-      1e3 * ph.loss / n, 1e3 * ph.backward / n, 1e3 * ph.step / n, static_cast<double>(ph.allocs) / n,
-      static_cast<double>(ph.system_allocs) / n);
-  std::fflush(stdout);
+  td::bench::print_phases("mlp_step_phases", dtype, td::bench::time_phases(a, xs, ys, next, opt, forward));
 }
 
 // ---- GEMM: y = x W^T at M = N = K = 1024, the linear op's shape ----
@@ -300,11 +191,8 @@ void bench_step_gemms(const Args& a, const std::string& dtype) {
 
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
-  td::set_num_threads(a.threads);
-  std::printf("{\"name\":\"env\",\"impl\":\"tandem\",\"threads\":%d,\"cpu\":\"%s\"}\n", td::get_num_threads(),
-              td::cpu_features().summary().c_str());
-  std::vector<std::string> dtypes = a.dtype.empty() ? std::vector<std::string>{"f32", "bf16"}
-                                                    : std::vector<std::string>{a.dtype};
+  td::bench::init_and_print_env(a.threads);
+  const std::vector<std::string> dtypes = td::bench::dtypes_to_run(a);
   if (a.only.empty() || a.only == "mlp") {
     for (const auto& d : dtypes) bench_mlp(a, d);
   }

@@ -25,33 +25,21 @@
 // loss / backward / optimizer process CPU time, plus allocator calls per step.
 #include <sys/resource.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <ctime>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "bench_common.h"
 #include "tandem/tandem.h"
 
 namespace td = tandem;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-// CPU time of the whole process: on one thread it is the work done, without the time other
-// processes on a shared machine took the core away.
-double process_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
+using td::bench::Timing;
 
 // Peak resident set of this process so far, MiB (Linux reports ru_maxrss in KiB).
 double maxrss_mb() {
@@ -62,44 +50,28 @@ double maxrss_mb() {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
-struct Args {
-  int threads = 1;
+struct Args : td::bench::CommonArgs {
   int64_t batch = 0;        // 0: the workload's default (cnn 64, gpt 8)
   int64_t context = 128;    // gpt sequence length
-  double seconds = 3.0;     // timed wall time per workload (at least min_steps iterations)
-  int64_t min_steps = 10;
-  int64_t warmup = 3;
   std::string workload;     // "", "cnn" or "gpt"
-  std::string dtype;        // "", "f32" or "bf16"
-  bool phases = false;
+  Args() {
+    min_steps = 10;
+    warmup = 3;
+  }
 };
 
 Args parse(int argc, char** argv) {
   Args a;
-  if (const char* e = std::getenv("TANDEM_BENCH_PHASES"); e != nullptr && std::string(e) != "0" && *e) a.phases = true;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw td::ValueError(fmt::format("{} needs a value", k));
-      return argv[++i];
-    };
-    if (k == "--threads") a.threads = std::stoi(value());
-    else if (k == "--batch") a.batch = std::stoll(value());
-    else if (k == "--context") a.context = std::stoll(value());
-    else if (k == "--seconds") a.seconds = std::stod(value());
-    else if (k == "--min-steps") a.min_steps = std::stoll(value());
-    else if (k == "--warmup") a.warmup = std::stoll(value());
-    else if (k == "--workload") a.workload = value();
-    else if (k == "--dtype") a.dtype = value();
-    else if (k == "--phases") a.phases = true;
-    else if (k == "--help" || k == "-h") {
-      std::printf("usage: models_step_bench [--workload cnn|gpt] [--dtype f32|bf16] [--threads T] [--batch B] "
-                  "[--context T] [--seconds S] [--min-steps N] [--warmup W] [--phases]\n");
-      std::exit(0);
-    } else {
-      throw td::ValueError(fmt::format("unknown argument \"{}\" (try --help)", k));
-    }
-  }
+  td::bench::parse_args(argc, argv, a,
+                        "models_step_bench [--workload cnn|gpt] [--dtype f32|bf16] [--threads T] [--batch B] "
+                        "[--context T] [--seconds S] [--min-steps N] [--warmup W] [--phases]",
+                        [&](const std::string& k, auto& value) {
+                          if (k == "--batch") a.batch = std::stoll(value());
+                          else if (k == "--context") a.context = std::stoll(value());
+                          else if (k == "--workload") a.workload = value();
+                          else return false;
+                          return true;
+                        });
   TANDEM_CHECK(a.workload.empty() || a.workload == "cnn" || a.workload == "gpt", td::ValueError,
                "--workload must be cnn or gpt");
   TANDEM_CHECK(a.dtype.empty() || a.dtype == "f32" || a.dtype == "bf16", td::ValueError, "--dtype must be f32 or bf16");
@@ -108,41 +80,10 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double median_of(std::vector<double> s) {
-  std::sort(s.begin(), s.end());
-  const size_t n = s.size();
-  return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
-}
-
-// Per-iteration wall and process-CPU times; reports medians (robust on a shared machine), the
-// mean and the best.
-struct Timing {
-  std::vector<double> t, cpu;
-  double median() const { return median_of(t); }
-  double cpu_median() const { return median_of(cpu); }
-  double mean() const {
-    double sum = 0;
-    for (double x : t) sum += x;
-    return sum / static_cast<double>(t.size());
-  }
-  double min() const { return *std::min_element(t.begin(), t.end()); }
-};
-
 // Warm-up, then reset the allocator's peak, then the timed iterations.
 template <class F>
 Timing time_loop(const Args& a, F&& fn) {
-  for (int64_t i = 0; i < a.warmup; ++i) fn();
-  td::reset_peak_allocated_bytes();
-  Timing tm;
-  const auto start = Clock::now();
-  while (static_cast<int64_t>(tm.t.size()) < a.min_steps || seconds_since(start) < a.seconds) {
-    const double c0 = process_cpu_seconds();
-    const auto t0 = Clock::now();
-    fn();
-    tm.t.push_back(seconds_since(t0));
-    tm.cpu.push_back(process_cpu_seconds() - c0);
-  }
-  return tm;
+  return td::bench::time_loop(a, std::forward<F>(fn), [] { td::reset_peak_allocated_bytes(); });
 }
 
 // ---- bf16 forwards: what torch.autocast("cpu", dtype=torch.bfloat16) runs ----
@@ -196,11 +137,6 @@ td::Tensor gpt_forward_bf16(td::nn::models::Gpt& m, const td::Tensor& idx) {
 
 constexpr int64_t kPoolBatches = 16;  // random batches, cycled (as in torch_models_step.py)
 
-struct Phases {
-  double zero_grad = 0, forward = 0, loss = 0, backward = 0, step = 0;
-  int64_t allocs = 0, system_allocs = 0, steps = 0;
-};
-
 // One workload: forward(x) -> logits (N, C); loss = cross_entropy(logits, y). `items` is what
 // one step processes (samples or tokens), named by `unit`.
 struct Workload {
@@ -214,16 +150,7 @@ struct Workload {
 
 void run(const Args& a, Workload& w, const std::string& dtype) {
   size_t next = 0;
-  auto step = [&] {
-    const td::Tensor& x = w.xs[next % w.xs.size()];
-    const td::Tensor& y = w.ys[next % w.ys.size()];
-    ++next;
-    w.opt->zero_grad();
-    td::Tensor loss = td::ops::cross_entropy(w.forward(x), y);
-    loss.backward();
-    w.opt->step();
-    return loss;
-  };
+  auto step = [&] { return td::bench::train_step(w.xs, w.ys, next, *w.opt, w.forward); };
   const double rss0 = maxrss_mb();
   const Timing tm = time_loop(a, [&] { step(); });
   const double peak = static_cast<double>(td::peak_allocated_bytes());
@@ -241,40 +168,8 @@ void run(const Args& a, Workload& w, const std::string& dtype) {
   std::fflush(stdout);
 
   if (!a.phases) return;
-  // The same step with a process-CPU clock between phases (everything is synchronous on CPU).
-  Phases ph;
-  auto& alloc = td::cpu_allocator();
-  const auto t_end = Clock::now() + std::chrono::duration<double>(a.seconds);
-  while (ph.steps < a.min_steps || Clock::now() < t_end) {
-    const td::Tensor& x = w.xs[next % w.xs.size()];
-    const td::Tensor& y = w.ys[next % w.ys.size()];
-    ++next;
-    const auto s0 = alloc.stats();
-    double t0 = process_cpu_seconds(), t1;
-    w.opt->zero_grad();
-    ph.zero_grad += (t1 = process_cpu_seconds()) - t0;
-    const td::Tensor logits = w.forward(x);
-    ph.forward += (t0 = process_cpu_seconds()) - t1;
-    td::Tensor loss = td::ops::cross_entropy(logits, y);
-    ph.loss += (t1 = process_cpu_seconds()) - t0;
-    loss.backward();
-    ph.backward += (t0 = process_cpu_seconds()) - t1;
-    w.opt->step();
-    ph.step += process_cpu_seconds() - t0;
-    const auto s1 = alloc.stats();
-    ph.allocs += s1.num_allocs - s0.num_allocs;
-    ph.system_allocs += s1.num_system_allocs - s0.num_system_allocs;
-    ++ph.steps;
-  }
-  const double k = static_cast<double>(ph.steps);
-  std::printf(
-      "{\"name\":\"%s_phases\",\"impl\":\"tandem\",\"dtype\":\"%s\",\"steps\":%lld,\"zero_grad_ms\":%.3f,"
-      "\"forward_ms\":%.3f,\"loss_ms\":%.3f,\"backward_ms\":%.3f,\"optimizer_ms\":%.3f,\"allocs_per_step\":%.1f,"
-      "\"system_allocs_per_step\":%.2f}\n",
-      w.name.c_str(), dtype.c_str(), static_cast<long long>(ph.steps), 1e3 * ph.zero_grad / k, 1e3 * ph.forward / k,
-      1e3 * ph.loss / k, 1e3 * ph.backward / k, 1e3 * ph.step / k, static_cast<double>(ph.allocs) / k,
-      static_cast<double>(ph.system_allocs) / k);
-  std::fflush(stdout);
+  td::bench::print_phases(w.name + "_phases", dtype,
+                          td::bench::time_phases(a, w.xs, w.ys, next, *w.opt, w.forward));
 }
 
 void bench_cnn(const Args& a, const std::string& dtype) {
@@ -332,12 +227,8 @@ void bench_gpt(const Args& a, const std::string& dtype) {
 
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
-  td::set_num_threads(a.threads);
-  std::printf("{\"name\":\"env\",\"impl\":\"tandem\",\"threads\":%d,\"cpu\":\"%s\"}\n", td::get_num_threads(),
-              td::cpu_features().summary().c_str());
-  std::fflush(stdout);
-  const std::vector<std::string> dtypes =
-      a.dtype.empty() ? std::vector<std::string>{"f32", "bf16"} : std::vector<std::string>{a.dtype};
+  td::bench::init_and_print_env(a.threads);
+  const std::vector<std::string> dtypes = td::bench::dtypes_to_run(a);
   if (a.workload.empty() || a.workload == "cnn") {
     for (const auto& d : dtypes) bench_cnn(a, d);
   }

@@ -19,13 +19,10 @@
 # The PyTorch here is only a yardstick: tests and CI never use it.
 set -euo pipefail
 
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-torch_python="${TORCH_PYTHON:-/work/torchvenv/bin/python}"
-build_dir="${TANDEM_BUILD_DIR:-build}"
-rounds=2
-seconds=3
-phases=0
-rebuild=0
+bench_name=run_mlp_bench.sh
+# shellcheck source=bench/bench_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/bench_common.sh"
+bench_defaults
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --torch-python) torch_python="$2"; shift 2 ;;
@@ -38,43 +35,10 @@ while [[ $# -gt 0 ]]; do
     *) echo "run_mlp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
-[[ "$build_dir" = /* ]] || build_dir="$repo/$build_dir"
-
-if [[ ! -x "$torch_python" ]]; then
-  echo "run_mlp_bench.sh: no PyTorch python at '$torch_python'." >&2
-  echo "  Create a venv with PyPI's torch (python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch numpy)" >&2
-  echo "  or point --torch-python / TORCH_PYTHON at one." >&2
-  exit 1
-fi
-if ! "$torch_python" -c 'import torch' 2>/dev/null; then
-  echo "run_mlp_bench.sh: '$torch_python' cannot import torch (set --torch-python / TORCH_PYTHON)." >&2
-  exit 1
-fi
-
-bench_bin="$build_dir/bench/mlp_step_bench"
-if [[ ! -x "$bench_bin" || "$rebuild" = 1 ]]; then
-  echo "building mlp_step_bench in $build_dir ..." >&2
-  if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
-    cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTANDEM_BUILD_BENCH=ON >/dev/null
-  else
-    cmake "$build_dir" -DTANDEM_BUILD_BENCH=ON >/dev/null
-  fi
-  cmake --build "$build_dir" --target mlp_step_bench >&2
-fi
-
-# One thread everywhere; OpenBLAS (if torch were built on it) on its AVX-512 kernels.
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX
-
-cpu_model="$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
-flags="$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2-)"
-have=()
-for f in amx_bf16 amx_tile amx_int8 avx512_bf16 avx512_fp16 avx512f avx512_vnni avx_vnni; do
-  if grep -qw "$f" <<<"$flags"; then have+=("$f"); fi
-done
-echo "cpu: $cpu_model ($(getconf _NPROCESSORS_ONLN) logical cores visible)"
-echo "flags: ${have[*]:-none of amx_bf16/avx512_bf16/avx512f}$(grep -qw amx_bf16 <<<"$flags" || echo '  [no AMX]')"
-echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "torch: $("$torch_python" -c 'import torch; print(torch.__version__, "capability", torch.backends.cpu.get_cpu_capability())')"
+bench_check_torch
+bench_build mlp_step_bench
+bench_env
+bench_print_machine 0
 echo "command: OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX; $bench_bin --threads 1 --seconds $seconds; $torch_python bench/torch_mlp_step.py --threads 1 --seconds $seconds; x$rounds rounds"
 echo
 

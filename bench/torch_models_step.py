@@ -24,14 +24,16 @@ the run: the first step's footprint plus glibc's retained heap, oneDNN scratchpa
 it only means one (workload, dtype) when the process runs just that one.
 """
 import argparse
-import json
+import os
 import resource
-import statistics
-import time
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import emit, init_and_emit_env, time_loop, time_phases  # noqa: E402
 
 POOL_BATCHES = 16  # random batches, cycled (as in models_step.cc)
 MIB = 1024.0 * 1024.0
@@ -49,41 +51,6 @@ def parse():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--phases", action="store_true", help="also split the step into phases")
     return p.parse_args()
-
-
-class Timing:
-    def __init__(self):
-        self.t, self.cpu = [], []
-
-    def median(self):
-        return statistics.median(self.t)
-
-    def cpu_median(self):
-        return statistics.median(self.cpu)
-
-    def mean(self):
-        return sum(self.t) / len(self.t)
-
-    def min(self):
-        return min(self.t)
-
-
-def time_loop(args, fn):
-    for _ in range(args.warmup):
-        fn()
-    tm = Timing()
-    start = time.perf_counter()
-    while len(tm.t) < args.min_steps or time.perf_counter() - start < args.seconds:
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        fn()
-        tm.t.append(time.perf_counter() - t0)
-        tm.cpu.append(time.process_time() - c0)
-    return tm
-
-
-def emit(d):
-    print(json.dumps(d), flush=True)
 
 
 def maxrss_mb():
@@ -192,14 +159,17 @@ def profiled_peak_bytes(fn):
     return peak
 
 
+def flat_cross_entropy(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
+
+
 def run(args, name, unit, model, opt, xs, ys, items, batch, context, dtype):
     state = {"next": 0}
     bf16 = dtype == "bf16"
 
     def forward_loss(i):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(xs[i])
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys[i])
+            return flat_cross_entropy(model(xs[i]), ys[i])
 
     def step():
         i = state["next"] % POOL_BATCHES
@@ -239,29 +209,7 @@ def run(args, name, unit, model, opt, xs, ys, items, batch, context, dtype):
 
     if not args.phases:
         return
-    ph = dict(zero_grad=0.0, forward=0.0, loss=0.0, backward=0.0, optimizer=0.0)
-    steps = 0
-    end = time.perf_counter() + args.seconds
-    while steps < args.min_steps or time.perf_counter() < end:
-        i = state["next"] % POOL_BATCHES
-        state["next"] += 1
-        t0 = time.process_time()
-        opt.zero_grad()
-        t1 = time.process_time()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(xs[i])
-            t2 = time.process_time()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys[i])
-        t3 = time.process_time()
-        loss.backward()
-        t4 = time.process_time()
-        opt.step()
-        t5 = time.process_time()
-        for k, dt in zip(ph, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            ph[k] += dt
-        steps += 1
-    emit({"name": f"{name}_phases", "impl": "torch", "dtype": dtype, "steps": steps,
-          **{f"{k}_ms": round(1e3 * v / steps, 3) for k, v in ph.items()}})
+    time_phases(args, f"{name}_phases", dtype, model, opt, xs, ys, state, flat_cross_entropy)
 
 
 def bench_cnn(args, dtype):
@@ -286,10 +234,7 @@ def bench_gpt(args, dtype):
 
 def main():
     args = parse()
-    torch.set_num_threads(args.threads)
-    emit({"name": "env", "impl": "torch", "threads": torch.get_num_threads(), "version": torch.__version__,
-          "cpu": torch.backends.cpu.get_cpu_capability(), "mkldnn_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported()})
-    dtypes = [args.dtype] if args.dtype else ["f32", "bf16"]
+    dtypes = init_and_emit_env(args)
     if args.workload in (None, "cnn"):
         for d in dtypes:
             bench_cnn(args, d)
