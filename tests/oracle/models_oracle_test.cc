@@ -26,6 +26,7 @@
 
 #include <gtest/gtest.h>
 
+#include "oracle/oracle_cases.h"
 #include "util/test_util.h"
 
 namespace tandem {
@@ -33,111 +34,22 @@ namespace {
 
 using testing::all_close;
 using testing::find_tensor;
-using testing::leaf;
-using Fn = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
 using Files = std::vector<std::pair<std::string, Tensor>>;
 
 constexpr double kU32 = 0x1p-24;
-constexpr double kU64 = 0x1p-53;
 
 // ============================================================================ op families
 
-struct Case {
-  std::string name;  // "<op>__<f32|f64>", the key nn_oracle.py looks up
-  std::vector<Tensor> inputs;
-  Fn fn;
-  double rtol = 0, atol = 0;
-  std::vector<Tensor> outputs;
-  std::vector<Tensor> grads;  // per input; undefined for constants
-};
-
-class Family {
+// The cases of one family, checked against `nn_oracle.py ops` in a single python run. The inputs
+// are saved before the op runs (it may update constants such as running stats).
+class Family : public testing::OracleCases {
  public:
-  // `acc` is the longest accumulation behind an output or gradient element, `scale` the size of
-  // its terms.
-  void add(const std::string& op, DType dt, std::vector<Tensor> inputs, Fn fn, double acc = 1, double scale = 1) {
-    Case c;
-    c.name = op + (dt == kFloat64 ? "__f64" : "__f32");
-    c.inputs = std::move(inputs);
-    c.fn = std::move(fn);
-    if (dt == kFloat64) {
-      c.rtol = 1e-12;
-      c.atol = std::max(1e-13, 4 * kU64 * acc * scale);
-    } else {
-      c.rtol = 1e-5;
-      c.atol = std::max(1e-6, 4 * kU32 * acc * scale);
-    }
-    cases_.push_back(std::move(c));
-  }
-  Tensor x(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) { return leaf(shape, lo, hi, seed_++, dt); }
-  Tensor c(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) { return x(shape, dt, lo, hi).detach(); }
-
+  Family() : OracleCases({.weight_seed = 4343, .script = "nn_oracle.py", .args = {"ops"}, .inputs_before_fn = true}) {}
   void run() {
-    Generator wgen(4343);
-    Files files;
-    for (Case& c : cases_) {
-      SCOPED_TRACE(c.name);
-      // The inputs as given (before fn, which may update constants such as running stats).
-      for (size_t i = 0; i < c.inputs.size(); ++i)
-        files.emplace_back(c.name + (c.inputs[i].requires_grad() ? ".x" : ".c") + std::to_string(i), c.inputs[i].detach().clone());
-      try {
-        c.outputs = c.fn(c.inputs);
-      } catch (const Error& e) {
-        FAIL() << c.name << ": " << e.what();
-      }
-      Tensor loss;
-      for (size_t k = 0; k < c.outputs.size(); ++k) {
-        const Tensor& o = c.outputs[k];
-        if (!is_floating(o.dtype())) continue;
-        const Tensor w = randn(o.shape(), o.dtype(), &wgen);
-        files.emplace_back(c.name + ".w" + std::to_string(k), w);
-        const Tensor term = ops::sum(ops::mul(o, w));
-        loss = loss.defined() ? ops::add(loss, term) : term;
-      }
-      std::vector<Tensor> leaves;
-      for (const Tensor& in : c.inputs)
-        if (in.requires_grad()) leaves.push_back(in);
-      c.grads.assign(c.inputs.size(), Tensor());
-      if (loss.defined() && !leaves.empty()) {
-        const std::vector<Tensor> g = autograd::grad({loss}, leaves);
-        size_t j = 0;
-        for (size_t i = 0; i < c.inputs.size(); ++i) {
-          if (!c.inputs[i].requires_grad()) continue;
-          c.grads[i] = g[j].defined() ? g[j] : zeros(c.inputs[i].shape(), c.inputs[i].dtype());
-          ++j;
-        }
-      }
-    }
-    testing::TempDir in, out;
-    testing::save_tensors(in.path(), files);
-    ASSERT_EQ(testing::run_oracle("nn_oracle.py", {"ops", in.path(), out.path()}), 0) << "nn_oracle.py ops failed";
-    const auto expected = testing::load_tensors(out.path());
     size_t compared = 0;
-    for (const Case& c : cases_) {
-      auto check = [&](const Tensor& actual, const std::string& key) {
-        SCOPED_TRACE(key);
-        Tensor want;
-        try {
-          want = find_tensor(expected, key);
-        } catch (const ValueError&) {
-          ADD_FAILURE() << "the oracle wrote no " << key;
-          return;
-        }
-        EXPECT_EQ(dtype_name(actual.dtype()), dtype_name(want.dtype())) << key;
-        EXPECT_TRUE(all_close(actual, want, c.rtol, c.atol)) << key;
-        ++compared;
-      };
-      for (size_t k = 0; k < c.outputs.size(); ++k) check(c.outputs[k], c.name + ".out" + std::to_string(k));
-      for (size_t i = 0; i < c.grads.size(); ++i)
-        if (c.grads[i].defined()) check(c.grads[i], c.name + ".g" + std::to_string(i));
-    }
-    EXPECT_EQ(compared, expected.size());
-    EXPECT_GT(compared, cases_.size());
+    if (!OracleCases::run(&compared)) return;
+    EXPECT_GT(compared, size());
   }
-
- private:
-  std::vector<Case> cases_;
-  uint64_t seed_ = 1;
 };
 
 std::vector<Tensor> one(Tensor t) { return {std::move(t)}; }

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import oracle_common
 import tensor_io
 
 
@@ -152,50 +153,9 @@ CASES = {
     "attn_scale_causal": lambda q, k, v: sdpa(q, k, v, causal=True, scale=1.7),
 }
 
-NAME = re.compile(r"^(?P<case>.+)\.(?P<kind>[xcw])(?P<index>\d+)$")
-
 
 def ops(in_dir, out_dir):
-    tensors = tensor_io.load(in_dir)
-    cases = {}
-    for name, t in tensors.items():
-        m = NAME.match(name)
-        if not m:
-            print(f"nn_oracle.py: unexpected tensor name {name!r}", file=sys.stderr)
-            return 2
-        entry = cases.setdefault(m["case"], {"inputs": {}, "weights": {}})
-        if m["kind"] == "w":
-            entry["weights"][int(m["index"])] = t
-        else:
-            entry["inputs"][int(m["index"])] = (m["kind"], t)
-    results = {}
-    for case, entry in cases.items():
-        op = case.split("__")[0]
-        if op not in CASES:
-            print(f"nn_oracle.py: no oracle for case {case!r}", file=sys.stderr)
-            return 2
-        inputs, leaves = [], []
-        for i in sorted(entry["inputs"]):
-            kind, t = entry["inputs"][i]
-            if kind == "x":
-                t = t.clone().requires_grad_(True)
-                leaves.append((i, t))
-            inputs.append(t)
-        outs = CASES[op](*inputs)
-        if isinstance(outs, torch.Tensor):
-            outs = (outs,)
-        loss = None
-        for k, o in enumerate(outs):
-            results[f"{case}.out{k}"] = o
-            if o.is_floating_point():
-                term = (o * entry["weights"][k]).sum()
-                loss = term if loss is None else loss + term
-        if loss is not None and leaves and loss.requires_grad:
-            grads = torch.autograd.grad(loss, [t for _, t in leaves], allow_unused=True)
-            for (i, t), g in zip(leaves, grads):
-                results[f"{case}.g{i}"] = torch.zeros_like(t) if g is None else g
-    tensor_io.save(out_dir, results)
-    return 0
+    return oracle_common.run_cases(in_dir, out_dir, CASES, "nn_oracle.py", skip_loss_without_grad=True)
 
 
 # ------------------------------------------------------------------------------------ models

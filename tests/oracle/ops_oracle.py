@@ -10,15 +10,15 @@ The inputs are passed to CASES[<op>] in index order. For each case the script wr
   <case>.out<k>  output k of the op
   <case>.g<i>    d/d x<i> of sum_k sum(out<k> * w<k>)  (zeros when x<i> is unused)
 An unknown case name is an error (exit status 2), so the two sides cannot drift apart silently.
+The protocol is implemented in oracle_common.py, shared with nn_oracle.py.
 """
 
-import re
 import sys
 
 import torch
 import torch.nn.functional as F
 
-import tensor_io
+import oracle_common
 
 
 def _ce(reduction="mean", ignore_index=-100, label_smoothing=0.0):
@@ -132,52 +132,9 @@ CASES = {
     "expand_select": lambda a: a.expand(3, 4, 5).select(1, 2) + a.narrow(0, 1, 2).sum(),
 }
 
-NAME = re.compile(r"^(?P<case>.+)\.(?P<kind>[xcw])(?P<index>\d+)$")
-
 
 def main():
-    in_dir, out_dir = sys.argv[1], sys.argv[2]
-    tensors = tensor_io.load(in_dir)
-    cases = {}
-    for name, t in tensors.items():
-        m = NAME.match(name)
-        if not m:
-            print(f"ops_oracle.py: unexpected tensor name {name!r}", file=sys.stderr)
-            return 2
-        entry = cases.setdefault(m["case"], {"inputs": {}, "weights": {}})
-        if m["kind"] == "w":
-            entry["weights"][int(m["index"])] = t
-        else:
-            entry["inputs"][int(m["index"])] = (m["kind"], t)
-
-    results = {}
-    for case, entry in cases.items():
-        op = case.split("__")[0]
-        if op not in CASES:
-            print(f"ops_oracle.py: no oracle for case {case!r}", file=sys.stderr)
-            return 2
-        inputs, leaves = [], []
-        for i in sorted(entry["inputs"]):
-            kind, t = entry["inputs"][i]
-            if kind == "x":
-                t = t.clone().requires_grad_(True)
-                leaves.append((i, t))
-            inputs.append(t)
-        outs = CASES[op](*inputs)
-        if isinstance(outs, torch.Tensor):
-            outs = (outs,)
-        loss = None
-        for k, o in enumerate(outs):
-            results[f"{case}.out{k}"] = o
-            if o.is_floating_point():
-                term = (o * entry["weights"][k]).sum()
-                loss = term if loss is None else loss + term
-        if loss is not None and leaves:
-            grads = torch.autograd.grad(loss, [t for _, t in leaves], allow_unused=True)
-            for (i, t), g in zip(leaves, grads):
-                results[f"{case}.g{i}"] = torch.zeros_like(t) if g is None else g
-    tensor_io.save(out_dir, results)
-    return 0
+    return oracle_common.run_cases(sys.argv[1], sys.argv[2], CASES, "ops_oracle.py")
 
 
 if __name__ == "__main__":

@@ -13,129 +13,26 @@
 //    results that cancel to near zero (a sum of n terms of size s carries ~u n s absolute error
 //    whatever its value).
 //  * f64: rtol 1e-12, atol max(1e-13, 4 u64 n s) with u64 = 2^-53 = 1.1e-16.
-#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "oracle/oracle_cases.h"
 #include "util/test_util.h"
 
 namespace tandem {
 namespace {
 
-using testing::all_close;
-using testing::find_tensor;
-using testing::leaf;
-using Fn = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
-
-constexpr double kU32 = 5.9604644775390625e-8;  // 2^-24
-constexpr double kU64 = 1.1102230246251565e-16;  // 2^-53
-
-struct Case {
-  std::string name;  // "<op>__<f32|f64>", the key ops_oracle.py looks up
-  std::vector<Tensor> inputs;
-  Fn fn;
-  double rtol = 0, atol = 0;
-  // Filled by run():
-  std::vector<Tensor> outputs;
-  std::vector<Tensor> grads;  // per input; undefined for constants
-};
-
-const char* dtype_tag(DType dt) { return dt == kFloat64 ? "f64" : "f32"; }
-
-class Family {
+// The cases of one family, checked against ops_oracle.py in a single python run.
+class Family : public testing::OracleCases {
  public:
-  // Adds a case. `acc` is the longest accumulation behind an output or gradient element and
-  // `scale` the size of its terms (see the tolerances above).
-  void add(const std::string& op, DType dt, std::vector<Tensor> inputs, Fn fn, double acc = 1, double scale = 1) {
-    Case c;
-    c.name = op + "__" + dtype_tag(dt);
-    c.inputs = std::move(inputs);
-    c.fn = std::move(fn);
-    if (dt == kFloat64) {
-      c.rtol = 1e-12;
-      c.atol = std::max(1e-13, 4 * kU64 * acc * scale);
-    } else {
-      c.rtol = 1e-5;
-      c.atol = std::max(1e-6, 4 * kU32 * acc * scale);
-    }
-    cases_.push_back(std::move(c));
-  }
-
-  // A leaf of `dt` with values uniform in [lo, hi), requiring grad; each call draws new values.
-  Tensor x(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) { return leaf(shape, lo, hi, seed_++, dt); }
-  // The same without grad (a constant input).
-  Tensor c(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) { return x(shape, dt, lo, hi).detach(); }
-
-  // Runs every case here and in torch and compares outputs and input gradients.
+  Family() : OracleCases({.weight_seed = 4242, .script = "ops_oracle.py"}) {}
   void run() {
-    Generator wgen(4242);
-    std::vector<std::pair<std::string, Tensor>> files;
-    for (Case& c : cases_) {
-      SCOPED_TRACE(c.name);
-      try {
-        c.outputs = c.fn(c.inputs);
-      } catch (const Error& e) {
-        FAIL() << c.name << ": " << e.what();
-      }
-      Tensor loss;
-      for (size_t k = 0; k < c.outputs.size(); ++k) {
-        const Tensor& o = c.outputs[k];
-        if (!is_floating(o.dtype())) continue;
-        const Tensor w = randn(o.shape(), o.dtype(), &wgen);
-        files.emplace_back(c.name + ".w" + std::to_string(k), w);
-        const Tensor term = ops::sum(ops::mul(o, w));
-        loss = loss.defined() ? ops::add(loss, term) : term;
-      }
-      std::vector<Tensor> leaves;
-      for (size_t i = 0; i < c.inputs.size(); ++i) {
-        const Tensor& in = c.inputs[i];
-        files.emplace_back(c.name + (in.requires_grad() ? ".x" : ".c") + std::to_string(i), in);
-        if (in.requires_grad()) leaves.push_back(in);
-      }
-      c.grads.assign(c.inputs.size(), Tensor());
-      if (loss.defined() && !leaves.empty()) {
-        const std::vector<Tensor> g = autograd::grad({loss}, leaves);
-        size_t j = 0;
-        for (size_t i = 0; i < c.inputs.size(); ++i) {
-          if (!c.inputs[i].requires_grad()) continue;
-          c.grads[i] = g[j].defined() ? g[j] : zeros(c.inputs[i].shape(), c.inputs[i].dtype());
-          ++j;
-        }
-      }
-    }
-    testing::TempDir in, out;
-    testing::save_tensors(in.path(), files);
-    ASSERT_EQ(testing::run_oracle("ops_oracle.py", {in.path(), out.path()}), 0) << "ops_oracle.py failed";
-    const auto expected = testing::load_tensors(out.path());
-
     size_t compared = 0;
-    for (const Case& c : cases_) {
-      auto check = [&](const Tensor& actual, const std::string& key) {
-        SCOPED_TRACE(key);
-        Tensor want;
-        try {
-          want = find_tensor(expected, key);
-        } catch (const ValueError&) {
-          ADD_FAILURE() << "the oracle wrote no " << key;
-          return;
-        }
-        EXPECT_EQ(dtype_name(actual.dtype()), dtype_name(want.dtype())) << key;
-        EXPECT_TRUE(all_close(actual, want, c.rtol, c.atol)) << key;
-        ++compared;
-      };
-      for (size_t k = 0; k < c.outputs.size(); ++k) check(c.outputs[k], c.name + ".out" + std::to_string(k));
-      for (size_t i = 0; i < c.grads.size(); ++i)
-        if (c.grads[i].defined()) check(c.grads[i], c.name + ".g" + std::to_string(i));
-    }
-    // Nothing the oracle computed went unchecked (e.g. an output this side does not produce).
-    EXPECT_EQ(compared, expected.size());
+    (void)OracleCases::run(&compared);
   }
-
- private:
-  std::vector<Case> cases_;
-  uint64_t seed_ = 1;
 };
 
 std::vector<Tensor> one(Tensor t) { return {std::move(t)}; }
