@@ -71,11 +71,16 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
     const Tensor g = p.grad();
     if (!g.defined()) continue;
     any = true;
-    for (double x : g.to_vector()) {
-      const double a = std::abs(x);
-      if (inf_norm) total = std::max(total, a) + (std::isnan(a) ? a : 0.0);
-      else total += std::pow(a, norm_type);
-    }
+    const Tensor gc = g.contiguous();
+    TANDEM_DISPATCH_FLOATING(gc.dtype(), "clip_grad_norm_", [&] {
+      const auto* d = static_cast<const scalar_t*>(gc.data_ptr());
+      for (int64_t i = 0; i < gc.numel(); ++i) {
+        const double a = std::abs(static_cast<double>(static_cast<compute_t<scalar_t>>(d[i])));
+        if (inf_norm) total = std::max(total, a) + (std::isnan(a) ? a : 0.0);
+        else if (norm_type == 2.0) total += a * a;
+        else total += std::pow(a, norm_type);
+      }
+    });
   }
   if (!any) return 0.0;
   if (!inf_norm) total = std::pow(total, 1.0 / norm_type);
