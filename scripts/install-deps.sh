@@ -9,6 +9,8 @@ packages=(
   cmake ninja-build g++ pkg-config
   libdnnl-dev ocl-icd-opencl-dev   # oneDNN (GEMM, conv); its CMake config needs OpenCL
   zlib1g-dev                       # gzip'd IDX files
+  libopenmpi-dev openmpi-bin       # the mpi process-group backend and mpirun (tests/dist)
+  libgloo-dev                      # the gloo process-group backend (comparison)
   libgtest-dev libbenchmark-dev nlohmann-json3-dev libfmt-dev
   dataset-fashion-mnist            # real data: /usr/share/datasets/fashion-mnist
   python3-torch                    # the test oracle (/usr/bin/python3)
