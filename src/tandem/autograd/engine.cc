@@ -41,6 +41,22 @@ void add_into(Tensor& slot, Tensor&& g) {
   }
 }
 
+// Callbacks of the backward passes running on this thread (innermost last).
+thread_local std::vector<std::vector<std::function<void()>>> callback_frames;
+
+// Pushes a callback frame for one backward pass and pops it however the pass ends.
+struct CallbackFrame {
+  CallbackFrame() { callback_frames.emplace_back(); }
+  ~CallbackFrame() { callback_frames.pop_back(); }
+  void run_all() {
+    // Index loop: a callback may queue more callbacks into this frame.
+    for (size_t i = 0; i < callback_frames.back().size(); ++i) {
+      auto fn = std::move(callback_frames.back()[i]);
+      fn();
+    }
+  }
+};
+
 // Captured gradients for autograd::grad: (node, slot) -> result index.
 using Captures = std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>>;
 
@@ -103,6 +119,7 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
   }
 
   AutoGradMode mode(create_graph);
+  CallbackFrame frame;
   while (!ready.empty()) {
     Node* n = ready.top();
     ready.pop();
@@ -133,9 +150,18 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
       if (--deps[e.fn.get()] == 0) ready.push(e.fn.get());
     }
   }
+  frame.run_all();
 }
 
 }  // namespace
+
+void queue_callback(std::function<void()> fn) {
+  TANDEM_CHECK(!callback_frames.empty(), AutogradError,
+               "queue_callback: no backward pass is running on this thread (call it from a hook during backward)");
+  callback_frames.back().push_back(std::move(fn));
+}
+
+bool in_backward() { return !callback_frames.empty(); }
 
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph, bool create_graph) {
   run(roots, grads, retain_graph, create_graph, nullptr, nullptr);

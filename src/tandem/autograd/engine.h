@@ -2,6 +2,7 @@
 // gradients into leaves. Single-threaded, on the caller's thread; hooks run on that thread.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "tandem/core/tensor.h"
@@ -15,6 +16,14 @@ namespace tandem::autograd {
 // Throws AutogradError for a root that does not require grad, a non-scalar root without an
 // explicit gradient, or a graph already freed by an earlier backward.
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph, bool create_graph);
+
+// Queues `fn` to run once the backward pass now executing on this thread has finished every node
+// (torch's Variable._execution_engine.queue_callback): DDP's reducer finalizes its buckets there.
+// Callbacks run in queue order on the backward's thread; one queued by a callback runs too. If the
+// backward throws, its queued callbacks are dropped. Throws AutogradError outside a backward.
+void queue_callback(std::function<void()> fn);
+// Whether a backward pass is running on this thread (hooks may ask).
+bool in_backward();
 
 // Gradients of `outputs` w.r.t. `inputs` without touching any grad() (torch.autograd.grad).
 std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,

@@ -83,6 +83,8 @@ class AccumulateGrad : public Node {
   explicit AccumulateGrad(std::weak_ptr<TensorImpl> leaf);
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
   std::string name() const override { return "AccumulateGrad"; }
+  // The leaf it accumulates into (may have expired). DDP walks graphs to find unused parameters.
+  const std::weak_ptr<TensorImpl>& leaf() const { return leaf_; }
 
  private:
   std::weak_ptr<TensorImpl> leaf_;

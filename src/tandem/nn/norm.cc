@@ -25,6 +25,7 @@ Tensor BatchNorm::forward(const Tensor& x) {
                expected_dims_ == 4 ? "4-d (N, C, H, W)" : "2-d (N, C) or 3-d (N, C, L)", shape_str(x.shape()));
   TANDEM_CHECK(x.size(1) == num_features, ShapeError, "{}: expected {} channels, got input of shape {}", type_name(),
                num_features, shape_str(x.shape()));
+  if (is_training() && training_forward) return training_forward(*this, x);
   const bool use_batch_stats = is_training() || !options.track_running_stats;
   if (is_training() && options.track_running_stats) {
     NoGradGuard no_grad;

@@ -2,6 +2,7 @@
 // running_var (f32) and num_batches_tracked (int64) as persistent buffers.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "tandem/nn/module.h"
@@ -25,6 +26,9 @@ class BatchNorm : public Module {
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
   int64_t num_features;
   BatchNormOptions options;
+  // Replaces the training-mode forward when set (after the shape checks): SyncBatchNorm plugs in
+  // here (parallel::convert_sync_batchnorm), so a converted layer stays the object models hold.
+  std::function<Tensor(BatchNorm&, const Tensor&)> training_forward;
 
  private:
   int64_t expected_dims_;  // 2 means "2 or 3" (BatchNorm1d)

@@ -1,0 +1,266 @@
+// DistributedDataParallel: construction-time agreement, forward bookkeeping, replica checks.
+#include "tandem/parallel/ddp.h"
+
+#include <cstring>
+#include <map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/core/error.h"
+#include "tandem/optim/optimizer.h"
+
+namespace tandem::parallel {
+namespace {
+
+uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+uint64_t checksum(const Tensor& t) {
+  Tensor c = t.contiguous();
+  uint64_t h = fnv1a(&c.shape()[0], c.shape().size() * sizeof(int64_t));
+  return fnv1a(c.data_ptr(), c.nbytes(), h);
+}
+
+// One line per tensor: "kind name shape dtype".
+std::vector<std::string> describe(const nn::Module& m) {
+  std::vector<std::string> lines;
+  for (const auto& [name, t] : m.named_parameters()) {
+    lines.push_back(fmt::format("parameter '{}' {} {}", name, shape_str(t.shape()), dtype_name(t.dtype())));
+  }
+  for (const auto& [name, t] : m.named_buffers()) {
+    lines.push_back(fmt::format("buffer '{}' {} {}", name, shape_str(t.shape()), dtype_name(t.dtype())));
+  }
+  return lines;
+}
+
+std::string join_lines(const std::vector<std::string>& lines) {
+  std::string s;
+  for (const auto& l : lines) s += l + "\n";
+  return s;
+}
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < s.size()) {
+    size_t end = s.find('\n', start);
+    if (end == std::string::npos) end = s.size();
+    out.push_back(s.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+// Broadcasts a string from `root` (length first, then bytes).
+std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine, int root) {
+  Tensor len = tensor(std::vector<int64_t>{static_cast<int64_t>(mine.size())}, {1});
+  group.broadcast(len, root)->wait();
+  const int64_t n = len.data_ptr<int64_t>()[0];
+  Tensor bytes = zeros({n}, kUInt8);
+  if (group.rank() == root && n > 0) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  group.broadcast(bytes, root)->wait();
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
+}
+
+// Gathers one int64 per tensor from every rank: result[r][i].
+std::vector<std::vector<int64_t>> all_gather_i64(dist::ProcessGroup& group, const std::vector<int64_t>& mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  Tensor in = tensor(mine, {n});
+  Tensor out = empty({n * group.size()}, kInt64);
+  group.all_gather(dist::as_buffer(out), dist::as_buffer(in))->wait();
+  std::vector<std::vector<int64_t>> result(group.size());
+  for (int r = 0; r < group.size(); ++r) {
+    result[r].assign(out.data_ptr<int64_t>() + r * n, out.data_ptr<int64_t>() + (r + 1) * n);
+  }
+  return result;
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module,
+                                                 std::shared_ptr<dist::ProcessGroup> group, DDPOptions options)
+    : nn::Module("DistributedDataParallel"), module_(std::move(module)), group_(std::move(group)), options_(options) {
+  TANDEM_CHECK(module_ != nullptr, ValueError, "DistributedDataParallel: module is null");
+  TANDEM_CHECK(group_ != nullptr, ValueError,
+               "DistributedDataParallel: process group is null (call dist::init_process_group first)");
+  register_module("module", module_);
+  check_same_model();
+
+  // Rank 0's values everywhere.
+  {
+    NoGradGuard no_grad;
+    std::vector<Tensor> all = module_->parameters();
+    for (auto& b : module_->buffers()) all.push_back(b);
+    broadcast_tensors(all);
+  }
+
+  std::vector<std::pair<std::string, Tensor>> trainable;
+  for (auto& [name, t] : module_->named_parameters()) {
+    dtypes_.emplace_back(name, t.dtype());
+    if (t.requires_grad()) trainable.emplace_back(name, t);
+  }
+  ReducerOptions ro;
+  ro.bucket_cap_mb = options_.bucket_cap_mb;
+  ro.first_bucket_mb = options_.first_bucket_mb;
+  ro.find_unused_parameters = options_.find_unused_parameters;
+  ro.gradient_as_bucket_view = options_.gradient_as_bucket_view;
+  ro.static_graph = options_.static_graph;
+  ro.delay_allreduce = options_.delay_allreduce;
+  ro.deterministic = options_.deterministic;
+  reducer_ = Reducer::create(std::move(trainable), group_, ro);
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+void DistributedDataParallel::check_same_model() {
+  const std::vector<std::string> lines = describe(*module_);
+  const std::string text = join_lines(lines);
+  const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(text.data(), text.size()))});
+  int differing = -1;
+  for (int r = 1; r < group_->size(); ++r) {
+    if (hashes[r][0] != hashes[0][0]) {
+      differing = r;
+      break;
+    }
+  }
+  if (differing < 0) return;
+  // Everyone learns rank 0's and the first differing rank's description and names the same line.
+  const auto lines0 = split_lines(broadcast_string(*group_, text, 0));
+  const auto lines_r = split_lines(broadcast_string(*group_, text, differing));
+  std::vector<int> ranks;
+  for (int r = 1; r < group_->size(); ++r) {
+    if (hashes[r][0] != hashes[0][0]) ranks.push_back(r);
+  }
+  size_t i = 0;
+  while (i < lines0.size() && i < lines_r.size() && lines0[i] == lines_r[i]) ++i;
+  const std::string at0 = i < lines0.size() ? lines0[i] : "(nothing: rank 0 has fewer tensors)";
+  const std::string at_r = i < lines_r.size() ? lines_r[i] : fmt::format("(nothing: rank {} has fewer tensors)", differing);
+  throw ValueError(fmt::format(
+      "DistributedDataParallel: the model differs across ranks (ranks {} differ from rank 0). First difference, "
+      "tensor #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
+      fmt::join(ranks, ", "), i, at0, differing, at_r));
+}
+
+void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tensors) {
+  if (group_->size() == 1) return;
+  // One flat broadcast per dtype (coalesced), then copied back.
+  std::map<DType, std::vector<Tensor>> by_dtype;
+  for (const auto& t : tensors) by_dtype[t.dtype()].push_back(t);
+  for (auto& [dt, list] : by_dtype) {
+    int64_t total = 0;
+    for (const auto& t : list) total += t.numel();
+    Tensor flat = empty({total}, dt);
+    int64_t off = 0;
+    for (const auto& t : list) {
+      make_view(flat, t.shape(), contiguous_strides(t.shape()), off).copy_(t);
+      off += t.numel();
+    }
+    group_->broadcast(flat, 0)->wait();
+    off = 0;
+    for (auto t : list) {
+      t.copy_(make_view(flat, t.shape(), contiguous_strides(t.shape()), off));
+      off += t.numel();
+    }
+  }
+}
+
+void DistributedDataParallel::before_forward() {
+  size_t i = 0;
+  for (const auto& [name, t] : module_->named_parameters()) {
+    TANDEM_CHECK(i < dtypes_.size() && dtypes_[i].first == name, ValueError,
+                 "DistributedDataParallel: the module's parameters changed after DDP was built ('{}' is new); build "
+                 "DDP after the model is complete",
+                 name);
+    TANDEM_CHECK(t.dtype() == dtypes_[i].second, ValueError,
+                 "DistributedDataParallel: parameter '{}' was {} when DDP was built but is {} now: the model was cast "
+                 "after wrapping. Cast first (amp::initialize with O2, or module.to(dtype)), then build DDP",
+                 name, dtype_name(dtypes_[i].second), dtype_name(t.dtype()));
+    ++i;
+  }
+  if (!is_training()) return;
+  if (options_.broadcast_buffers && group_->size() > 1) {
+    NoGradGuard no_grad;
+    broadcast_tensors(module_->buffers());
+  }
+  ++forwards_;
+  if (options_.check_replicas_every > 0 && forwards_ % options_.check_replicas_every == 0) check_replicas();
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& x) {
+  return forward_with([&] { return module_->forward(x); });
+}
+
+Tensor DistributedDataParallel::forward_with(const std::function<Tensor()>& fn) {
+  before_forward();
+  Tensor out = fn();
+  if (is_training() && autograd::is_grad_enabled()) reducer_->prepare_for_backward(require_sync_, out);
+  return out;
+}
+
+void DistributedDataParallel::check_replicas() {
+  std::vector<std::string> names;
+  std::vector<int64_t> sums;
+  for (const auto& [name, t] : module_->named_parameters()) {
+    names.push_back("parameter '" + name + "'");
+    sums.push_back(static_cast<int64_t>(checksum(t)));
+  }
+  if (optimizer_ != nullptr) {
+    const optim::OptimizerState st = optimizer_->state_dict();
+    for (size_t i = 0; i < st.state.size(); ++i) {
+      for (const auto& [key, t] : st.state[i]) {
+        names.push_back(fmt::format("optimizer state[{}].{}", i, key));
+        sums.push_back(static_cast<int64_t>(checksum(t)));
+      }
+    }
+  }
+  const auto counts = all_gather_i64(*group_, {static_cast<int64_t>(sums.size())});
+  for (int r = 1; r < group_->size(); ++r) {
+    TANDEM_CHECK(counts[r][0] == counts[0][0], ValueError,
+                 "check_replicas: rank {} has {} tensors to compare but rank 0 has {} (different model or "
+                 "optimizer state)",
+                 r, counts[r][0], counts[0][0]);
+  }
+  const auto all = all_gather_i64(*group_, sums);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    std::vector<int> bad;
+    for (int r = 1; r < group_->size(); ++r) {
+      if (all[r][i] != all[0][i]) bad.push_back(r);
+    }
+    if (!bad.empty()) {
+      throw ValueError(fmt::format(
+          "check_replicas: {} differs between rank 0 and rank(s) {} (checksums {:016x} vs {:016x}); the replicas "
+          "diverged: look for rank-dependent updates (a step skipped on one rank, an unsynchronised random "
+          "number, a gradient modified outside DDP)",
+          names[i], fmt::join(bad, ", "), static_cast<uint64_t>(all[0][i]), static_cast<uint64_t>(all[bad[0]][i])));
+    }
+  }
+}
+
+// ---- metric helpers ----
+
+double all_reduce_mean(double value, dist::ProcessGroup& group) {
+  Tensor t = tensor(std::vector<double>{value}, {1}, kFloat64);
+  group.all_reduce(t, dist::ReduceOp::SUM)->wait();
+  return t.data_ptr<double>()[0] / group.size();
+}
+
+double all_reduce_mean(const Tensor& scalar, dist::ProcessGroup& group) {
+  TANDEM_CHECK(scalar.numel() == 1, ValueError, "all_reduce_mean: expected a one-element tensor, got shape {}",
+               shape_str(scalar.shape()));
+  return all_reduce_mean(scalar.to(kFloat64).data_ptr<double>()[0], group);
+}
+
+std::function<bool(bool)> found_inf_reducer(std::shared_ptr<dist::ProcessGroup> group) {
+  return [group](bool found) {
+    Tensor t = tensor(std::vector<double>{found ? 1.0 : 0.0}, {1}, kUInt8);
+    group->all_reduce(t, dist::ReduceOp::MAX)->wait();
+    return t.data_ptr<uint8_t>()[0] != 0;
+  };
+}
+
+}  // namespace tandem::parallel

@@ -1,0 +1,108 @@
+// DistributedDataParallel: wraps a module so that backward averages its gradients over a process
+// group while backward still runs (torch.nn.parallel.DistributedDataParallel, same options and
+// defaults). The reducer (reducer.h) does the bucketing; this file handles construction-time
+// agreement, forward bookkeeping, no_sync, buffers, replica checks and the deterministic mode.
+//
+// Invariant: every rank holds the same parameters after construction (broadcast from rank 0) and,
+// given the same optimizer, after every step; check_replicas() proves it on demand.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/dist/process_group.h"
+#include "tandem/nn/module.h"
+#include "tandem/parallel/reducer.h"
+
+namespace tandem::optim { class Optimizer; }
+
+namespace tandem::parallel {
+
+struct DDPOptions {
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;          // torch's _DEFAULT_FIRST_BUCKET_BYTES
+  bool broadcast_buffers = true;         // rank 0's buffers (BatchNorm running stats) at every forward
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;
+  bool delay_allreduce = false;          // Apex: reduce after backward, no overlap
+  // Beyond PyTorch: every N training forwards, compare a checksum of parameters (and of the
+  // attached optimizer's state) across ranks; 0 = never.
+  int64_t check_replicas_every = 0;
+  // Beyond PyTorch: bitwise reproducible training across world sizes. Each backward is one
+  // micro-batch of a fixed size; run the step's micro-batches under no_sync() except the last
+  // (do not divide the loss by their number). The gradients of all micro-batches of all ranks are
+  // then summed in one fixed binary tree (rank r owns micro-batches r*k ... r*k+k-1) and divided by
+  // their count, so world sizes 1, 2, 4 with the same micro-batches in the same global order give
+  // bitwise equal gradients when k (micro-batches per rank) is a power of two. Costs an
+  // all_gather of all gradients instead of overlapped all-reduces.
+  bool deterministic = false;
+};
+
+class DistributedDataParallel : public nn::Module {
+ public:
+  // Broadcasts rank 0's parameters and buffers, after checking that every rank has the same
+  // parameter names, shapes and dtypes (an error names the first difference and the ranks).
+  DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<dist::ProcessGroup> group,
+                          DDPOptions options = {});
+  ~DistributedDataParallel() override;
+
+  Tensor forward(const Tensor& x) override;
+  // For modules with other inputs: run `fn` as the forward (same bookkeeping).
+  Tensor forward_with(const std::function<Tensor()>& fn);
+
+  const std::shared_ptr<nn::Module>& module() const { return module_; }
+  dist::ProcessGroup& process_group() const { return *group_; }
+  Reducer& reducer() { return *reducer_; }
+  const DDPOptions& options() const { return options_; }
+
+  // Gradients of backward passes inside the guard accumulate locally; the next backward outside
+  // reduces the sum.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.require_sync_) {
+      ddp.require_sync_ = false;
+    }
+    ~NoSyncGuard() { ddp_.require_sync_ = previous_; }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  void register_comm_hook(CommHook hook) { reducer_->register_comm_hook(std::move(hook)); }
+
+  // The optimizer whose state check_replicas compares too.
+  void attach_optimizer(const optim::Optimizer* optimizer) { optimizer_ = optimizer; }
+  // Compares checksums of every parameter (and the attached optimizer's state) across ranks;
+  // throws ValueError naming the first tensor that differs and the ranks that disagree with rank 0.
+  // Collective: every rank must call it.
+  void check_replicas();
+
+ private:
+  void check_same_model();
+  void broadcast_tensors(const std::vector<Tensor>& tensors);
+  void before_forward();
+
+  std::shared_ptr<nn::Module> module_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  DDPOptions options_;
+  std::shared_ptr<Reducer> reducer_;
+  std::vector<std::pair<std::string, DType>> dtypes_;  // at construction, to detect a later cast
+  bool require_sync_ = true;
+  int64_t forwards_ = 0;
+  const optim::Optimizer* optimizer_ = nullptr;
+};
+
+// ---- metric helpers ----
+// The mean over ranks of a scalar (e.g. the loss); collective.
+double all_reduce_mean(double value, dist::ProcessGroup& group);
+double all_reduce_mean(const Tensor& scalar, dist::ProcessGroup& group);
+// A found_inf reducer for amp::GradScaler: MAX over ranks, so every rank skips the same steps.
+std::function<bool(bool)> found_inf_reducer(std::shared_ptr<dist::ProcessGroup> group);
+
+}  // namespace tandem::parallel

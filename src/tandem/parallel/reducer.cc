@@ -1,0 +1,476 @@
+// The DDP reducer (see reducer.h for the design): buckets, hooks, ordered launches, finalize.
+#include "tandem/parallel/reducer.h"
+
+#include <algorithm>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "tandem/autograd/engine.h"
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/autograd/node.h"
+#include "tandem/core/error.h"
+
+namespace tandem::parallel {
+namespace {
+
+std::string join_names(const std::vector<std::string>& names, size_t limit = 8) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > limit) out += fmt::format(" and {} more", names.size() - limit);
+  return out;
+}
+
+// Every leaf TensorImpl reachable from `root` through the autograd graph.
+std::vector<const TensorImpl*> reachable_leaves(const Tensor& root) {
+  std::vector<const TensorImpl*> leaves;
+  if (!root.defined() || !root.requires_grad()) return leaves;
+  autograd::Edge start = autograd::gradient_edge(root);
+  if (!start.valid()) return leaves;
+  std::vector<autograd::Node*> stack{start.fn.get()};
+  std::vector<const autograd::Node*> seen{start.fn.get()};
+  std::sort(seen.begin(), seen.end());
+  while (!stack.empty()) {
+    autograd::Node* n = stack.back();
+    stack.pop_back();
+    if (auto* acc = dynamic_cast<autograd::AccumulateGrad*>(n)) {
+      if (auto leaf = acc->leaf().lock()) leaves.push_back(leaf.get());
+    }
+    for (const autograd::Edge& e : n->next_edges()) {
+      if (!e.valid()) continue;
+      auto it = std::lower_bound(seen.begin(), seen.end(), e.fn.get());
+      if (it != seen.end() && *it == e.fn.get()) continue;
+      seen.insert(it, e.fn.get());
+      stack.push_back(e.fn.get());
+    }
+  }
+  return leaves;
+}
+
+// Sum of leaves [l, r) as a fixed binary tree: split at the largest power of two below r - l.
+// With k leaves per rank (k a power of two) every rank's block is a subtree, so the same tree
+// is computed whatever the number of ranks.
+void tree_sum(const std::vector<const float*>& leaves, size_t l, size_t r, int64_t n, float* out) {
+  if (r - l == 1) {
+    std::copy(leaves[l], leaves[l] + n, out);
+    return;
+  }
+  size_t h = 1;
+  while (h * 2 < r - l) h *= 2;
+  std::vector<float> right(static_cast<size_t>(n));
+  tree_sum(leaves, l, l + h, n, out);
+  tree_sum(leaves, l + h, r, n, right.data());
+  for (int64_t i = 0; i < n; ++i) out[i] += right[static_cast<size_t>(i)];
+}
+
+}  // namespace
+
+// ---- construction ----
+
+std::shared_ptr<Reducer> Reducer::create(std::vector<std::pair<std::string, Tensor>> params,
+                                         std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options) {
+  std::shared_ptr<Reducer> r(new Reducer(std::move(params), std::move(group), options));
+  r->install_hooks();
+  return r;
+}
+
+Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<dist::ProcessGroup> group,
+                 ReducerOptions options)
+    : group_(std::move(group)), options_(options) {
+  TANDEM_CHECK(group_ != nullptr, ValueError, "DistributedDataParallel needs a process group, got null");
+  TANDEM_CHECK(options_.bucket_cap_mb > 0 && options_.first_bucket_mb > 0, ValueError,
+               "bucket_cap_mb and first_bucket_mb must be positive, got {} and {}", options_.bucket_cap_mb,
+               options_.first_bucket_mb);
+  for (auto& [name, t] : params) {
+    TANDEM_CHECK(t.is_contiguous(), ValueError, "DDP: parameter '{}' is not contiguous", name);
+    params_.push_back(Param{name, t});
+  }
+  std::vector<int64_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(params_.size() - 1 - i);
+  build_buckets(order);
+  ready_.assign(params_.size(), 0);
+  locally_used_.assign(params_.size(), 0);
+}
+
+Reducer::~Reducer() {
+  for (auto& p : params_) {
+    if (p.hook >= 0) p.tensor.remove_hook(p.hook);
+  }
+  // A collective still in flight writes into our buckets: let it finish before they are freed.
+  for (auto& b : buckets_) {
+    if (b.launched && b.result.work) {
+      try {
+        b.result.work->wait();
+      } catch (...) {
+      }
+    }
+  }
+}
+
+void Reducer::install_hooks() {
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].hook = params_[i].tensor.register_post_accumulate_grad_hook([weak, i](Tensor&) {
+      if (auto self = weak.lock()) self->on_gradient_ready(static_cast<int64_t>(i));
+    });
+  }
+}
+
+void Reducer::build_buckets(const std::vector<int64_t>& order) {
+  // Gradients that live in the old buckets (bucket views) move to the new ones below.
+  std::vector<Tensor> old_grads(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) old_grads[i] = params_[i].tensor.grad();
+
+  std::vector<Bucket> buckets;
+  std::map<DType, int64_t> open;     // dtype -> index of its bucket being filled
+  std::map<DType, bool> had_first;   // dtype -> its first (small) bucket is done
+  const double mb = 1024.0 * 1024.0;
+  for (int64_t p : order) {
+    const DType dt = params_[p].tensor.dtype();
+    auto it = open.find(dt);
+    if (it == open.end()) {
+      buckets.emplace_back();
+      buckets.back().dtype = dt;
+      it = open.emplace(dt, static_cast<int64_t>(buckets.size() - 1)).first;
+    }
+    Bucket& b = buckets[it->second];
+    b.params.push_back(p);
+    b.numel += params_[p].tensor.numel();
+    const double limit = (had_first[dt] ? options_.bucket_cap_mb : options_.first_bucket_mb) * mb;
+    if (static_cast<double>(b.numel) * static_cast<double>(element_size(dt)) >= limit) {
+      open.erase(it);
+      had_first[dt] = true;
+    }
+  }
+  for (int64_t bi = 0; bi < static_cast<int64_t>(buckets.size()); ++bi) {
+    Bucket& b = buckets[bi];
+    const size_t bytes = static_cast<size_t>(b.numel) * element_size(b.dtype);
+    b.memory = group_->allocate(bytes);
+    std::shared_ptr<void> keep = b.memory;
+    b.flat = from_blob(b.memory.get(), {b.numel}, b.dtype, [keep](void*) {});
+    b.flat.zero_();
+    int64_t offset = 0;
+    for (int64_t p : b.params) {
+      params_[p].bucket = bi;
+      params_[p].offset = offset;
+      offset += params_[p].tensor.numel();
+    }
+  }
+  buckets_ = std::move(buckets);
+  timings_.assign(buckets_.size(), BucketTiming{});
+  next_launch_ = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!old_grads[i].defined()) continue;
+    Tensor s = slot(static_cast<int64_t>(i));
+    s.copy_(old_grads[i]);
+    if (options_.gradient_as_bucket_view) params_[i].tensor.set_grad(s);
+  }
+}
+
+Tensor Reducer::slot(int64_t param) const {
+  const Param& p = params_[param];
+  const Bucket& b = buckets_[p.bucket];
+  return make_view(b.flat, p.tensor.shape(), contiguous_strides(p.tensor.shape()), b.flat.offset() + p.offset);
+}
+
+void Reducer::register_comm_hook(CommHook hook) {
+  TANDEM_CHECK(!hook_, ValueError, "register_comm_hook: a communication hook is already registered (only one allowed)");
+  hook_ = std::move(hook);
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+std::vector<int64_t> Reducer::bucket_sizes_bytes() const {
+  std::vector<int64_t> out;
+  for (const auto& b : buckets_) out.push_back(b.numel * static_cast<int64_t>(element_size(b.dtype)));
+  return out;
+}
+
+double Reducer::now_s() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+// ---- iteration ----
+
+void Reducer::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(locally_used_.begin(), locally_used_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.launched = false;
+    b.result = {};
+  }
+  next_launch_ = 0;
+  finalize_queued_ = false;
+  unused_.clear();
+}
+
+void Reducer::prepare_for_backward(bool sync, const Tensor& output) {
+  reset_iteration();
+  expect_backward_ = true;
+  sync_ = sync;
+  if (!sync || options_.deterministic) return;
+  const bool traverse = options_.find_unused_parameters || (options_.static_graph && !static_known_);
+  if (options_.static_graph && static_known_) {
+    unused_ = static_unused_;
+  } else if (traverse) {
+    std::vector<const TensorImpl*> leaves = reachable_leaves(output);
+    std::sort(leaves.begin(), leaves.end());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!std::binary_search(leaves.begin(), leaves.end(), params_[i].tensor.impl_ptr().get())) {
+        unused_.push_back(static_cast<int64_t>(i));
+      }
+    }
+    if (options_.static_graph) {
+      static_unused_ = unused_;
+      static_known_ = true;
+    }
+  }
+}
+
+void Reducer::on_gradient_ready(int64_t param) {
+  if (!expect_backward_) return;  // a backward that no DDP forward armed: not ours to reduce
+  if (!finalize_queued_) {
+    finalize_queued_ = true;
+    start_ = std::chrono::steady_clock::now();
+    std::weak_ptr<Reducer> weak = weak_from_this();
+    autograd::queue_callback([weak] {
+      if (auto self = weak.lock()) {
+        if (self->options_.deterministic) {
+          self->finalize_deterministic();
+        } else {
+          self->finalize();
+        }
+      }
+    });
+    if (sync_ && !options_.deterministic) {
+      for (int64_t p : unused_) {
+        slot(p).zero_();
+        mark_ready(p);
+      }
+    }
+  }
+  if (!sync_ || options_.deterministic) return;  // no_sync: the gradient accumulates locally
+  Param& p = params_[param];
+  Tensor g = p.tensor.grad();
+  Tensor s = slot(param);
+  NoGradGuard no_grad;
+  const bool is_view = g.defined() && g.storage() == s.storage() && g.offset() == s.offset();
+  if (!is_view) {
+    s.copy_(g);
+    if (options_.gradient_as_bucket_view) p.tensor.set_grad(s);
+  }
+  locally_used_[param] = 1;
+  mark_ready(param);
+}
+
+void Reducer::mark_ready(int64_t param) {
+  TANDEM_CHECK(!ready_[param], AutogradError,
+               "DDP: parameter '{}' got its gradient twice in one backward pass. A parameter may take part in "
+               "only one backward per forward (reentrant backward, or a parameter marked unused that was used); "
+               "wrap extra backward passes in no_sync()",
+               params_[param].name);
+  ready_[param] = 1;
+  if (!rebuilt_) ready_order_.push_back(param);
+  Bucket& b = buckets_[params_[param].bucket];
+  if (--b.pending == 0) {
+    timings_[params_[param].bucket].ready_s = now_s();
+    if (!options_.delay_allreduce) launch_ready_buckets();
+  }
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_launch_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_launch_].pending == 0) {
+    launch(next_launch_++);
+  }
+}
+
+void Reducer::launch(int64_t bi) {
+  Bucket& b = buckets_[bi];
+  GradBucket gb;
+  gb.index = bi;
+  gb.buffer = b.flat;
+  for (int64_t p : b.params) gb.parameter_names.push_back(params_[p].name);
+  gb.is_last = bi + 1 == static_cast<int64_t>(buckets_.size());
+  b.result = hook_ ? hook_(*group_, gb) : allreduce_hook(*group_, gb);
+  TANDEM_CHECK(b.result.work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
+  b.launched = true;
+  timings_[bi].launch_s = now_s();
+}
+
+void Reducer::finalize() {
+  backward_end_s_ = now_s();
+  expect_backward_ = false;
+  finalize_queued_ = false;
+  if (!sync_) return;
+
+  auto drain = [&] {
+    for (auto& b : buckets_) {
+      if (!b.launched || !b.result.work) continue;
+      try {
+        b.result.work->wait();
+      } catch (...) {
+      }
+    }
+  };
+
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) missing.push_back(params_[i].name);
+  }
+  if (!missing.empty()) {
+    drain();
+    reset_iteration();
+    throw AutogradError(fmt::format(
+        "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. Every "
+        "parameter must take part in computing the loss; if some are unused on purpose (or only on some "
+        "iterations), construct DDP with find_unused_parameters=true",
+        missing.size(), join_names(missing)));
+  }
+  if (options_.delay_allreduce) launch_ready_buckets();
+
+  try {
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      Bucket& b = buckets_[bi];
+      b.result.work->wait();
+      if (b.result.then) b.result.then();
+      timings_[bi].done_s = now_s();
+    }
+  } catch (...) {
+    drain();
+    reset_iteration();
+    throw;
+  }
+
+  // Which parameters some rank used: a parameter unused everywhere keeps no gradient (as in PyTorch).
+  std::vector<uint8_t> globally_used(params_.size(), 1);
+  if (options_.find_unused_parameters || options_.static_graph) {
+    Tensor used = zeros({static_cast<int64_t>(params_.size())}, kUInt8);
+    auto* u = used.data_ptr<uint8_t>();
+    for (size_t i = 0; i < params_.size(); ++i) u[i] = static_cast<uint8_t>(locally_used_[i]);
+    group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
+    for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = u[i];
+  }
+
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    if (!globally_used[i]) continue;
+    Tensor s = slot(static_cast<int64_t>(i));
+    Tensor g = p.tensor.grad();
+    if (options_.gradient_as_bucket_view) {
+      if (!(g.defined() && g.storage() == s.storage() && g.offset() == s.offset())) p.tensor.set_grad(s);
+    } else if (g.defined()) {
+      g.copy_(s);
+    } else {
+      p.tensor.set_grad(s.clone());
+    }
+  }
+
+  if (!rebuilt_) {
+    // Rebuild once, in the order gradients became ready on rank 0 (broadcast: same layout everywhere).
+    std::vector<int64_t> order = ready_order_;
+    std::vector<char> in(params_.size(), 0);
+    for (int64_t p : order) in[p] = 1;
+    for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+      if (!in[i]) order.push_back(i);
+    }
+    Tensor t = tensor(order, {static_cast<int64_t>(order.size())});
+    group_->broadcast(t, 0)->wait();
+    const int64_t* o = t.data_ptr<int64_t>();
+    build_buckets(std::vector<int64_t>(o, o + order.size()));
+    rebuilt_ = true;
+    ready_order_.clear();
+  }
+  ++iteration_;
+}
+
+void Reducer::finalize_deterministic() {
+  backward_end_s_ = now_s();
+  expect_backward_ = false;
+  finalize_queued_ = false;
+  NoGradGuard no_grad;
+
+  // Snapshot this micro-batch's gradients (f32, registration order) and clear them, so that the
+  // next micro-batch starts from nothing instead of accumulating.
+  int64_t total = 0;
+  for (const auto& p : params_) total += p.tensor.numel();
+  std::vector<float> flat(static_cast<size_t>(total), 0.0f);
+  int64_t off = 0;
+  for (auto& p : params_) {
+    Tensor g = p.tensor.grad();
+    if (g.defined()) {
+      Tensor g32 = g.to(kFloat32).contiguous();
+      std::copy(g32.data_ptr<float>(), g32.data_ptr<float>() + g32.numel(), flat.begin() + off);
+      p.tensor.set_grad(Tensor());
+    }
+    off += p.tensor.numel();
+  }
+  micro_grads_.push_back(std::move(flat));
+  if (!sync_) return;
+
+  const int64_t k = static_cast<int64_t>(micro_grads_.size());
+  const int64_t world = group_->size();
+  std::vector<const float*> leaves;
+  for (const auto& m : micro_grads_) leaves.push_back(m.data());
+  Tensor local = empty({total}, kFloat32);
+  tree_sum(leaves, 0, leaves.size(), total, local.data_ptr<float>());
+  micro_grads_.clear();
+
+  // Every rank must contribute the same number of micro-batches, or the tree would differ.
+  Tensor ks = empty({world}, kInt64);
+  Tensor mine = tensor(std::vector<int64_t>{k}, {1});
+  group_->all_gather(dist::as_buffer(ks), dist::as_buffer(mine))->wait();
+  for (int64_t r = 0; r < world; ++r) {
+    TANDEM_CHECK(ks.data_ptr<int64_t>()[r] == k, ValueError,
+                 "DDP deterministic mode: rank {} accumulated {} micro-batches in this step but rank {} accumulated "
+                 "{}; every rank must run the same number of micro-batches per step",
+                 group_->rank(), k, r, ks.data_ptr<int64_t>()[r]);
+  }
+  Tensor all = empty({world * total}, kFloat32);
+  group_->all_gather(dist::as_buffer(all), dist::as_buffer(local))->wait();
+  std::vector<const float*> blocks;
+  for (int64_t r = 0; r < world; ++r) blocks.push_back(all.data_ptr<float>() + r * total);
+  Tensor sum = empty({total}, kFloat32);
+  tree_sum(blocks, 0, blocks.size(), total, sum.data_ptr<float>());
+  const float count = static_cast<float>(k * world);
+  float* s = sum.data_ptr<float>();
+  for (int64_t i = 0; i < total; ++i) s[i] /= count;
+
+  off = 0;
+  for (auto& p : params_) {
+    Tensor g = make_view(sum, p.tensor.shape(), contiguous_strides(p.tensor.shape()), off).clone();
+    p.tensor.set_grad(g.dtype() == p.tensor.dtype() ? g : g.to(p.tensor.dtype()));
+    off += p.tensor.numel();
+  }
+  ++iteration_;
+}
+
+// ---- communication hooks ----
+
+HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket) {
+  return {group.all_reduce(bucket.buffer, dist::ReduceOp::AVG), nullptr};
+}
+
+namespace {
+HookResult compress_hook(dist::ProcessGroup& group, GradBucket& bucket, DType wire) {
+  if (bucket.buffer.dtype() != kFloat32) return allreduce_hook(group, bucket);
+  Tensor compressed = bucket.buffer.to(wire);
+  auto work = group.all_reduce(compressed, dist::ReduceOp::AVG);
+  Tensor out = bucket.buffer;
+  return {work, [compressed, out]() mutable { out.copy_(compressed); }};
+}
+}  // namespace
+
+HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket) {
+  return compress_hook(group, bucket, kFloat16);
+}
+HookResult bf16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket) {
+  return compress_hook(group, bucket, kBFloat16);
+}
+
+}  // namespace tandem::parallel

@@ -1,0 +1,162 @@
+// The DDP reducer: averages gradients across a process group while backward still runs.
+//
+// Buckets. Parameters that require grad are grouped, in reverse registration order (backward
+// produces the last layers' gradients first) and by dtype, into buckets of at most
+// bucket_cap_mb (the first one first_bucket_mb, so communication starts early). Each bucket owns
+// one flat buffer from ProcessGroup::allocate (shm reduces it in place, no copy); a parameter's
+// gradient lives at a fixed offset in it. After the first synchronized iteration the buckets are
+// rebuilt once in the order gradients actually became ready (rank 0's order, broadcast, so every
+// rank has the same layout).
+//
+// Iteration. A post-accumulate-grad hook on every parameter copies its gradient into its bucket
+// slot (or, with gradient_as_bucket_view, makes grad() a view of the slot) and decrements the
+// bucket's pending count. A bucket whose count reaches zero is launched asynchronously — in bucket
+// order, so every rank issues the same collectives in the same order — while backward continues.
+// A callback queued on the autograd engine runs when backward ends: it waits for every bucket,
+// and copies the averaged values back into grad(). Invariant: after a synchronized backward
+// returns, every parameter's grad() holds the average over ranks, or backward threw.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/core/tensor.h"
+#include "tandem/dist/process_group.h"
+
+namespace tandem::parallel {
+
+// One bucket as a communication hook sees it (torch.distributed.GradBucket).
+struct GradBucket {
+  int64_t index = 0;
+  Tensor buffer;                        // flat, the bucket's dtype; holds the local gradients
+  std::vector<std::string> parameter_names;
+  bool is_last = false;                 // the last bucket of this iteration
+};
+
+// What a hook started: `work` completes the communication; `then` (optional) runs after it, on
+// the backward thread, and must leave the averaged gradients in bucket.buffer.
+struct HookResult {
+  std::shared_ptr<dist::Work> work;
+  std::function<void()> then;
+};
+using CommHook = std::function<HookResult(dist::ProcessGroup& group, GradBucket& bucket)>;
+
+struct ReducerOptions {
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;
+  // Apex's delay_allreduce: reduce every bucket after backward ended (no overlap).
+  bool delay_allreduce = false;
+  // Bitwise reproducible across world sizes: see DistributedDataParallel's header.
+  bool deterministic = false;
+};
+
+// Per-bucket timing of the last iteration (seconds since the iteration's first hook), for tests
+// and profiling.
+struct BucketTiming {
+  double ready_s = 0;    // last gradient of the bucket arrived
+  double launch_s = 0;   // its collective was issued
+  double done_s = 0;     // its collective completed (seen by finalize)
+};
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  // `params`: (name, parameter) of every parameter that requires grad, in registration order.
+  static std::shared_ptr<Reducer> create(std::vector<std::pair<std::string, Tensor>> params,
+                                         std::shared_ptr<dist::ProcessGroup> group, ReducerOptions options);
+  ~Reducer();
+
+  // Called by DDP's forward. `sync`: whether this iteration's backward reduces (false inside
+  // no_sync). `output`: walked for unused parameters when find_unused_parameters is set.
+  void prepare_for_backward(bool sync, const Tensor& output);
+
+  void register_comm_hook(CommHook hook);
+
+  // The layout: bucket b holds these parameter indices (into the constructor's list), in order.
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+  std::vector<int64_t> bucket_sizes_bytes() const;
+  const std::vector<BucketTiming>& last_timings() const { return timings_; }
+  // Whether the one-time rebuild after the first iteration happened.
+  bool buckets_rebuilt() const { return rebuilt_; }
+  // Seconds from the iteration's first hook to the end of backward's node execution (when the
+  // finalize callback started).
+  double last_backward_end_s() const { return backward_end_s_; }
+
+  // Deterministic mode: micro-batches accumulated so far in this step (tests).
+  int64_t pending_micro_batches() const { return static_cast<int64_t>(micro_grads_.size()); }
+
+ private:
+  struct Param {
+    std::string name;
+    Tensor tensor;
+    int64_t hook = -1;
+    int64_t bucket = -1;
+    int64_t offset = 0;  // elements into the bucket
+  };
+  struct Bucket {
+    std::vector<int64_t> params;
+    DType dtype = kFloat32;
+    int64_t numel = 0;
+    std::shared_ptr<void> memory;
+    Tensor flat;          // (numel,) over memory
+    int64_t pending = 0;  // gradients still to arrive this iteration
+    bool launched = false;
+    HookResult result;
+  };
+
+  Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared_ptr<dist::ProcessGroup> group,
+          ReducerOptions options);
+  void install_hooks();
+  // Builds buckets from `order` (parameter indices, first-ready first).
+  void build_buckets(const std::vector<int64_t>& order);
+  Tensor slot(int64_t param) const;  // the parameter's view into its bucket
+  void on_gradient_ready(int64_t param);
+  void mark_ready(int64_t param);
+  void launch_ready_buckets();
+  void launch(int64_t bucket);
+  void finalize();
+  void finalize_deterministic();
+  void reset_iteration();
+  double now_s() const;
+
+  std::vector<Param> params_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  ReducerOptions options_;
+  std::vector<Bucket> buckets_;
+  CommHook hook_;
+
+  // ---- per-iteration state ----
+  bool expect_backward_ = false;   // prepare_for_backward armed the hooks
+  bool sync_ = true;
+  bool finalize_queued_ = false;
+  std::vector<char> ready_;
+  std::vector<char> locally_used_;
+  std::vector<int64_t> unused_;    // marked ready at the first hook (find_unused_parameters)
+  int64_t next_launch_ = 0;
+  std::vector<int64_t> ready_order_;  // first synced iteration only, for the rebuild
+  bool rebuilt_ = false;
+  int64_t iteration_ = 0;
+  std::chrono::steady_clock::time_point start_;
+  std::vector<BucketTiming> timings_;
+  double backward_end_s_ = 0;
+  std::vector<int64_t> static_unused_;  // static_graph: unused set found in the first iteration
+  bool static_known_ = false;
+
+  // ---- deterministic mode ----
+  std::vector<std::vector<float>> micro_grads_;  // one flat f32 copy of all gradients per micro-batch
+};
+
+// ---- built-in communication hooks (torch.distributed.algorithms.ddp_comm_hooks) ----
+// all_reduce with AVG in the bucket's dtype (the default).
+HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket);
+// f32 bucket sent as f16 / bf16 (the backend accumulates in f32), averaged, cast back.
+HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
+HookResult bf16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
+
+}  // namespace tandem::parallel
