@@ -1,0 +1,46 @@
+// The `tandem` command itself: subcommand dispatch, help, version, and `tandem env`.
+#include <gtest/gtest.h>
+
+#include "tools/subprocess.h"
+
+namespace tandem::testing {
+namespace {
+
+const std::string kTandem = TANDEM_CLI_PATH;
+
+TEST(Cli, UnknownSubcommandIsNamedWithTheValidOnes) {
+  ProcResult r = run_process({kTandem, "rnu"}, launcher_env());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("unknown command \"rnu\""), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("run, env"), std::string::npos) << r.err;
+}
+
+TEST(Cli, NoSubcommandPrintsUsageAndFails) {
+  ProcResult r = run_process({kTandem}, launcher_env());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("usage: tandem <command>"), std::string::npos) << r.err;
+}
+
+TEST(Cli, HelpAndVersion) {
+  ProcResult r = run_process({kTandem, "--help"}, launcher_env());
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("run "), std::string::npos) << r.out;
+  r = run_process({kTandem, "version"}, launcher_env());
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.out.rfind("tandem ", 0), 0u) << r.out;
+  r = run_process({kTandem, "run", "--help"}, launcher_env());
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--nproc-per-node N"), std::string::npos) << r.out;
+}
+
+TEST(Cli, EnvReportsCpuCoresAndBackends) {
+  ProcResult r = run_process({kTandem, "env"}, launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* want : {"avx512_bf16", "amx_bf16", "cores allowed", "TANDEM_WITH_MPI", "shm ", "available"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << " missing in:\n" << r.out;
+  r = run_process({kTandem, "env", "--bogus"}, launcher_env());
+  EXPECT_EQ(r.exit_code, 2);
+}
+
+}  // namespace
+}  // namespace tandem::testing

@@ -1,0 +1,384 @@
+// `tandem run` end to end: the built launcher starts tests/tools/launch_probe and the tests read
+// what the workers saw and what the launcher reported. Every run has a deadline (subprocess.h).
+#include <netinet/in.h>
+#include <sched.h>
+#include <sys/socket.h>
+
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "tools/subprocess.h"
+
+namespace tandem::testing {
+namespace {
+
+const std::string kTandem = TANDEM_CLI_PATH;
+const std::string kProbe = LAUNCH_PROBE_PATH;
+
+std::vector<std::string> cmd(std::vector<std::string> launcher_args, std::vector<std::string> probe_steps) {
+  std::vector<std::string> argv = {kTandem, "run"};
+  argv.insert(argv.end(), launcher_args.begin(), launcher_args.end());
+  argv.push_back(kProbe);
+  argv.insert(argv.end(), probe_steps.begin(), probe_steps.end());
+  return argv;
+}
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  sched_getaffinity(0, sizeof(set), &set);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// "[rank3]: env KEY=VALUE" lines -> env[3][KEY] = VALUE
+std::map<int, std::map<std::string, std::string>> worker_env(const std::string& out) {
+  std::map<int, std::map<std::string, std::string>> env;
+  std::regex line(R"(\[rank(\d+)\]: env ([A-Z_]+)=(.*))");
+  std::istringstream in(out);
+  std::string l;
+  while (std::getline(in, l)) {
+    std::smatch m;
+    if (std::regex_match(l, m, line)) env[std::stoi(m[1])][m[2]] = m[3];
+  }
+  return env;
+}
+
+std::set<int> parse_cpus(const std::string& list) {
+  std::set<int> cpus;
+  std::istringstream in(list);
+  std::string c;
+  while (std::getline(in, c, ',')) cpus.insert(std::stoi(c));
+  return cpus;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+uint16_t free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string fmt_rank(int r) { return "[rank" + std::to_string(r) + "]: "; }
+
+#define EXPECT_CONTAINS(hay, needle) EXPECT_NE((hay).find(needle), std::string::npos) << "missing \"" << (needle) << "\" in:\n" << (hay)
+#define EXPECT_NOT_CONTAINS(hay, needle) EXPECT_EQ((hay).find(needle), std::string::npos) << "unexpected \"" << (needle) << "\" in:\n" << (hay)
+
+// ---- environment contract and affinity ----
+
+class RunEnv : public ::testing::TestWithParam<int> {};
+
+TEST_P(RunEnv, EveryRankSeesTorchrunEnvTokenThreadsAndItsCoreShare) {
+  const int nproc = GetParam();
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", std::to_string(nproc)}, {"env", "store"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto env = worker_env(r.out);
+  ASSERT_EQ(int(env.size()), nproc) << r.out;
+  const std::vector<int> allowed = allowed_cpus();
+  const int n = int(allowed.size());
+  std::set<int> covered;
+  for (int rank = 0; rank < nproc; ++rank) {
+    auto& e = env[rank];
+    EXPECT_EQ(e["RANK"], std::to_string(rank));
+    EXPECT_EQ(e["WORLD_SIZE"], std::to_string(nproc));
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(rank));
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], std::to_string(nproc));
+    EXPECT_EQ(e["GROUP_RANK"], "0");
+    EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(e["MASTER_PORT"], env[0]["MASTER_PORT"]);
+    EXPECT_NE(e["MASTER_PORT"], "0");
+    EXPECT_EQ(e["TANDEM_STORE_HOSTED"], "1");
+    EXPECT_TRUE(std::regex_match(e["TANDEM_STORE_TOKEN"], std::regex("[0-9a-f]{32}"))) << e["TANDEM_STORE_TOKEN"];
+    EXPECT_EQ(e["TANDEM_STORE_TOKEN"], env[0]["TANDEM_STORE_TOKEN"]);
+    EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
+    // The share: n/nproc cores (one more for the first n%nproc ranks); oversubscribed, one core.
+    const int expected = nproc > n ? 1 : n / nproc + (rank < n % nproc ? 1 : 0);
+    std::set<int> cpus = parse_cpus(e["CPUS"]);
+    EXPECT_EQ(int(cpus.size()), expected) << "rank " << rank << " CPUS=" << e["CPUS"];
+    EXPECT_EQ(e["TANDEM_NUM_THREADS"], std::to_string(expected));
+    EXPECT_EQ(e["OMP_NUM_THREADS"], std::to_string(expected));
+    for (int c : cpus) {
+      EXPECT_NE(std::find(allowed.begin(), allowed.end(), c), allowed.end()) << c << " is not an allowed core";
+      if (nproc <= n) EXPECT_TRUE(covered.insert(c).second) << "core " << c << " is in two shares";
+    }
+  }
+  if (nproc <= n) EXPECT_EQ(int(covered.size()), n) << "the shares do not cover every allowed core";
+  // The ranks met on the launcher's store as clients with the token.
+  for (int rank = 0; rank < nproc; ++rank)
+    EXPECT_CONTAINS(r.out, fmt_rank(rank) + "store ok world=" + std::to_string(nproc));
+}
+
+INSTANTIATE_TEST_SUITE_P(Nproc, RunEnv, ::testing::Values(1, 2, 3));
+
+TEST(Run, NoBindLeavesTheMaskAndSplitsThreads) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2", "--no-bind"}, {"env"}), launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto env = worker_env(r.out);
+  const int n = int(allowed_cpus().size());
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(int(parse_cpus(env[rank]["CPUS"]).size()), n);
+    EXPECT_EQ(env[rank]["TANDEM_NUM_THREADS"], std::to_string(std::max(1, n / 2)));
+  }
+}
+
+TEST(Run, KeepsThreadCountsTheUserSet) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2"}, {"env"}),
+                             launcher_env({{"TANDEM_NUM_THREADS", "7"}, {"OMP_NUM_THREADS", "5"}}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto env = worker_env(r.out);
+  EXPECT_EQ(env[1]["TANDEM_NUM_THREADS"], "7");
+  EXPECT_EQ(env[1]["OMP_NUM_THREADS"], "5");
+}
+
+TEST(Run, UnderscoreAndEqualsSpellingsAsTorchrunAccepts) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc_per_node=2", "--max_restarts", "0"}, {"env"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(worker_env(r.out).size(), 2u);
+}
+
+// ---- output ----
+
+TEST(Run, EveryLineCarriesItsRankAndLinesNeverInterleave) {
+  const int kLines = 300;
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "3"}, {"lines:" + std::to_string(kLines)}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Each probe line is written in three pieces; a relay of partial lines would break this shape.
+  std::regex shape(R"(\[rank(\d)\]: line (\d) (\d+) (x+)end)");
+  std::map<int, int> next;
+  std::istringstream in(r.out);
+  std::string l;
+  int bad = 0;
+  while (std::getline(in, l)) {
+    std::smatch m;
+    if (!std::regex_match(l, m, shape) || m[1] != m[2] || int(m[4].length()) != 40 + 7 * std::stoi(m[1])) {
+      if (++bad < 5) ADD_FAILURE() << "malformed line: " << l;
+      continue;
+    }
+    int rank = std::stoi(m[1]);
+    EXPECT_EQ(std::stoi(m[3]), next[rank]) << "rank " << rank << " lines out of order";
+    next[rank] = std::stoi(m[3]) + 1;
+  }
+  EXPECT_EQ(bad, 0);
+  for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(next[rank], kLines) << "rank " << rank;
+}
+
+TEST(Run, StderrIsPrefixedOnTheLaunchersStderr) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2"}, {"r1/err:to-stderr", "out:to-stdout"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "[rank1]: to-stderr");
+  EXPECT_NOT_CONTAINS(r.out, "to-stderr");
+  EXPECT_CONTAINS(r.out, "[rank0]: to-stdout");
+  EXPECT_CONTAINS(r.out, "[rank1]: to-stdout");
+}
+
+TEST(Run, LogDirWritesEachRanksStreamsAndTeeCopiesThem) {
+  ScratchDir dir;
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2", "--log-dir", dir.path()},
+                                 {"out:hello", "err:oops"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::string base = dir.path() + "/attempt_0/" + std::to_string(rank);
+    EXPECT_EQ(read_file(base + "/stdout.log"), "hello\n");
+    EXPECT_EQ(read_file(base + "/stderr.log"), "oops\n");
+  }
+  EXPECT_NOT_CONTAINS(r.out, "hello");  // files only, without --tee
+
+  ScratchDir dir2;
+  r = run_process(cmd({"--standalone", "--nproc-per-node", "1", "--log-dir", dir2.path(), "--tee", "3"},
+                      {"out:hello", "err:oops"}),
+                  launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_file(dir2.path() + "/attempt_0/0/stdout.log"), "hello\n");
+  EXPECT_CONTAINS(r.out, "[rank0]: hello");
+  EXPECT_CONTAINS(r.err, "[rank0]: oops");
+}
+
+// ---- failures ----
+
+TEST(Run, AFailingRankStopsTheOthersQuicklyAndIsNamedWithItsStderrTail) {
+  // Ranks 0 and 2 would sleep 30 s and then print "woke"; rank 1 fails at once.
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "3"},
+                                 {"r1/err:first-words", "r1/err:last-words", "r1/exit:3", "sleep:30000", "out:woke"}),
+                             launcher_env());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_LT(r.seconds, 10.0) << "the launcher waited for the sleeping ranks";
+  EXPECT_NOT_CONTAINS(r.out, "woke");
+  EXPECT_CONTAINS(r.err, "rank 1 (local rank 1 on node 0");
+  EXPECT_CONTAINS(r.err, "failed with exit code 3");
+  EXPECT_CONTAINS(r.err, "last 2 stderr line(s):\n  [rank1]: first-words\n  [rank1]: last-words");
+  EXPECT_CONTAINS(r.err, "no restarts left");
+  EXPECT_NOT_CONTAINS(r.err, "rank 0 (local");  // the stopped ranks are not reported as failures
+}
+
+TEST(Run, ARankKilledByASignalIsNamedBySignal) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2"}, {"r0/raise:9", "sleep:30000"}),
+                             launcher_env());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_CONTAINS(r.err, "rank 0 (local rank 0");
+  EXPECT_CONTAINS(r.err, "failed with signal 9 (SIGKILL)");
+  EXPECT_CONTAINS(r.err, "it wrote nothing to stderr");
+}
+
+TEST(Run, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2", "--stop-grace", "0.5"},
+                                 {"ignore-term", "r0/sleep:300", "r0/exit:1", "sleep:30000"}),
+                             launcher_env());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_LT(r.seconds, 8.0);
+  EXPECT_GT(r.seconds, 0.7) << "rank 1 ignores SIGTERM, so only SIGKILL after 0.5 s stops it";
+}
+
+TEST(Run, RestartsTheGroupAndTheSecondAttemptSucceeds) {
+  ScratchDir dir;
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--log-dir",
+                                  dir.path(), "--tee"},
+                                 {"a0/r1/err:flaky", "a0/r1/exit:5", "env", "store"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "rank 1 (local rank 1 on node 0");
+  EXPECT_CONTAINS(r.err, "exit code 5 on attempt 0");
+  EXPECT_CONTAINS(r.err, "restarting the worker group (restart 1 of --max-restarts 2)");
+  EXPECT_NOT_CONTAINS(r.err, "restart 2 of");
+  // Attempt 1's workers saw the restart count and met on the store again (under a fresh prefix).
+  EXPECT_CONTAINS(read_file(dir.path() + "/attempt_1/1/stdout.log"), "env TORCHELASTIC_RESTART_COUNT=1");
+  EXPECT_CONTAINS(read_file(dir.path() + "/attempt_1/0/stdout.log"), "store ok world=2");
+  EXPECT_CONTAINS(read_file(dir.path() + "/attempt_0/1/stderr.log"), "flaky");
+}
+
+TEST(Run, GivesUpAfterMaxRestarts) {
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "1", "--max-restarts", "2"}, {"exit:4"}),
+                             launcher_env());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_CONTAINS(r.err, "exit code 4 on attempt 2");
+  EXPECT_CONTAINS(r.err, "job failed: rank 0");
+  EXPECT_CONTAINS(r.err, "no restarts left (--max-restarts 2)");
+}
+
+// ---- signals ----
+
+TEST(Run, SigtermToTheLauncherReachesEveryWorker) {
+  Subprocess p(cmd({"--standalone", "--nproc-per-node", "2"}, {"trap", "out:ready", "sleep:30000"}), launcher_env());
+  ASSERT_TRUE(p.wait_for_stdout("ready", 2, 15)) << p.out();
+  p.signal(SIGTERM);
+  ProcResult r = p.wait(15);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+  EXPECT_CONTAINS(r.out, "[rank0]: got-term");
+  EXPECT_CONTAINS(r.out, "[rank1]: got-term");
+  EXPECT_CONTAINS(r.err, "got SIGTERM; forwarded it to the workers");
+}
+
+// ---- bad arguments ----
+
+struct BadArgs {
+  std::vector<std::string> args;
+  std::string expect;
+};
+
+class RunBadArgs : public ::testing::TestWithParam<BadArgs> {};
+
+TEST_P(RunBadArgs, ExitTwoNamingTheArgument) {
+  std::vector<std::string> argv = {kTandem, "run"};
+  for (const auto& a : GetParam().args) argv.push_back(a == "PROBE" ? kProbe : a);
+  ProcResult r = run_process(argv, launcher_env());
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_CONTAINS(r.err, GetParam().expect);
+  EXPECT_EQ(r.out, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, RunBadArgs,
+    ::testing::Values(BadArgs{{"--nproc-per-node", "2"}, "missing PROGRAM"},
+                      BadArgs{{"--nproc-per-node", "0", "PROBE"}, "--nproc-per-node must be in [1, 4096], got 0"},
+                      BadArgs{{"--nproc-per-node", "two", "PROBE"}, "--nproc-per-node expects a worker count"},
+                      BadArgs{{"--nproc-per-node"}, "--nproc-per-node needs a value"},
+                      BadArgs{{"--nprocs-per-node", "2", "PROBE"}, "unknown option \"--nprocs-per-node\" (did you mean --nproc-per-node?)"},
+                      BadArgs{{"--max-restarts", "-1", "PROBE"}, "--max-restarts must be in [0"},
+                      BadArgs{{"--stop-grace", "soon", "PROBE"}, "--stop-grace expects seconds"},
+                      BadArgs{{"--nnodes", "2", "--node-rank", "2", "PROBE"}, "--node-rank 2 is out of range"},
+                      BadArgs{{"--nnodes", "1:4", "PROBE"}, "elastic node ranges are not supported"},
+                      BadArgs{{"--nnodes", "2", "PROBE"}, "needs the same TANDEM_STORE_TOKEN"},
+                      BadArgs{{"--standalone", "./no-such-program"}, "\"./no-such-program\" is not an executable"},
+                      BadArgs{{"--standalone", "no-such-program-on-path"}, "was not found on PATH"}));
+
+// ---- two nodes on one machine ----
+
+TEST(Run, TwoLaunchersFormOneJobOverLoopback) {
+  const std::string port = std::to_string(free_port());
+  auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
+  auto node = [&](int r, std::vector<std::string> steps) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-addr", "127.0.0.1", "--master-port", port,
+                "--nproc-per-node", "2", "--rdzv-timeout", "15"},
+               steps);
+  };
+  Subprocess n1(node(1, {"env", "store"}), env);  // node 1 first: it must wait for node 0's store
+  Subprocess n0(node(0, {"env", "store"}), env);
+  ProcResult r0 = n0.wait(20), r1 = n1.wait(20);
+  ASSERT_EQ(r0.exit_code, 0) << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.err;
+  auto e0 = worker_env(r0.out), e1 = worker_env(r1.out);
+  ASSERT_EQ(e0.size(), 2u);
+  ASSERT_EQ(e1.size(), 2u);
+  for (auto& [env_map, node_rank] : {std::pair{&e0, 0}, std::pair{&e1, 1}}) {
+    for (int local = 0; local < 2; ++local) {
+      int rank = node_rank * 2 + local;
+      auto& e = (*env_map)[rank];
+      EXPECT_EQ(e["RANK"], std::to_string(rank));
+      EXPECT_EQ(e["LOCAL_RANK"], std::to_string(local));
+      EXPECT_EQ(e["WORLD_SIZE"], "4");
+      EXPECT_EQ(e["GROUP_RANK"], std::to_string(node_rank));
+      EXPECT_EQ(e["MASTER_PORT"], port);
+      EXPECT_EQ(e["TANDEM_STORE_TOKEN"], "two-node-test-secret");
+    }
+  }
+  // All four ranks met on node 0's store.
+  EXPECT_CONTAINS(r0.out, "[rank0]: store ok world=4");
+  EXPECT_CONTAINS(r1.out, "[rank3]: store ok world=4");
+}
+
+TEST(Run, AFailureOnOneNodeStopsBothAndIsNamedOnNodeZero) {
+  const std::string port = std::to_string(free_port());
+  auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
+  auto node = [&](int r) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
+                "--rdzv-timeout", "15"},
+               {"r1/sleep:200", "r1/exit:7", "sleep:30000", "out:woke"});
+  };
+  Subprocess n0(node(0), env);
+  Subprocess n1(node(1), env);
+  ProcResult r0 = n0.wait(20), r1 = n1.wait(20);
+  EXPECT_EQ(r0.exit_code, 1) << r0.err;
+  EXPECT_EQ(r1.exit_code, 1) << r1.err;
+  EXPECT_LT(r0.seconds, 10.0);
+  EXPECT_NOT_CONTAINS(r0.out, "woke");
+  EXPECT_CONTAINS(r1.err, "rank 1 (local rank 0 on node 1");
+  EXPECT_CONTAINS(r0.err, "rank 1 (local rank 0 on node 1");
+  EXPECT_CONTAINS(r0.err, "exit code 7");
+}
+
+}  // namespace
+}  // namespace tandem::testing

@@ -1,0 +1,70 @@
+// tandem env: what this machine and this build offer, for bug reports and for choosing
+// --nproc-per-node. Read-only: it changes nothing.
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "tandem/core/cpu_features.h"
+#include "tandem/dist/backends.h"
+#include "tools/commands.h"
+
+namespace tandem::tools {
+
+int env_main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::printf("usage: tandem env\n\nPrints the CPU features, core counts, build options and the process-group "
+                  "backends of this build.\n");
+      return 0;
+    }
+    std::fprintf(stderr, "tandem env: unknown argument \"%s\"; it takes none (see `tandem env --help`)\n", argv[i]);
+    return 2;
+  }
+  const CpuFeatures& f = cpu_features();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  int allowed = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : -1;
+  auto yes = [](bool b) { return b ? "yes" : "no"; };
+
+  std::printf("tandem %s (%s build, %s)\n", TANDEM_VERSION, TANDEM_BUILD_TYPE, TANDEM_CXX_COMPILER);
+  std::printf("\ncpu\n");
+  std::printf("  features         %s\n", f.summary().c_str());
+  std::printf("  avx512_bf16      %s\n", yes(f.avx512_bf16));
+  std::printf("  amx_bf16         %s\n", yes(f.amx_bf16));
+  std::printf("  avx512_fp16      %s\n", yes(f.avx512_fp16));
+  std::printf("  cores online     %ld\n", sysconf(_SC_NPROCESSORS_ONLN));
+  std::printf("  cores allowed    %d (this process's affinity mask)\n", allowed);
+  std::printf("\nbuild options\n");
+#ifdef TANDEM_WITH_MPI
+  std::printf("  TANDEM_WITH_MPI  ON\n");
+#else
+  std::printf("  TANDEM_WITH_MPI  OFF\n");
+#endif
+#ifdef TANDEM_WITH_GLOO
+  std::printf("  TANDEM_WITH_GLOO ON\n");
+#else
+  std::printf("  TANDEM_WITH_GLOO OFF\n");
+#endif
+#ifdef TANDEM_WITH_CUDA
+  std::printf("  TANDEM_WITH_CUDA ON\n");
+#else
+  std::printf("  TANDEM_WITH_CUDA OFF\n");
+#endif
+  std::printf("\nprocess-group backends\n");
+  for (const char* b : {"shm", "mpi", "gloo", "nccl"})
+    std::printf("  %-16s %s\n", b, dist::backend_available(b) ? "available" : "not built");
+  std::printf("\nenvironment\n");
+  for (const char* v : {"TANDEM_NUM_THREADS", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+    const char* value = std::getenv(v);
+    std::printf("  %-18s %s\n", v, value != nullptr ? value : "(unset)");
+  }
+  return 0;
+}
+
+}  // namespace tandem::tools
