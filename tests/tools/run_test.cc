@@ -380,5 +380,35 @@ TEST(Run, AFailureOnOneNodeStopsBothAndIsNamedOnNodeZero) {
   EXPECT_CONTAINS(r0.err, "exit code 7");
 }
 
+TEST(Run, ANodeThatNeverJoinsIsNamedAfterTheRendezvousTimeout) {
+  const std::string port = std::to_string(free_port());
+  ProcResult r = run_process(cmd({"--nnodes", "2", "--node-rank", "0", "--master-port", port, "--rdzv-timeout", "0.5"},
+                                 {"out:started"}),
+                             launcher_env({{"TANDEM_STORE_TOKEN", "t"}}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_CONTAINS(r.err, "node(s) 1 did not join attempt 0 within 0.5 s");
+  EXPECT_NOT_CONTAINS(r.out, "started");
+}
+
+TEST(Run, AFailureOnOneNodeRestartsBothNodes) {
+  const std::string port = std::to_string(free_port());
+  auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
+  auto node = [&](int r) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
+                "--max-restarts", "1", "--rdzv-timeout", "15"},
+               {"a0/r1/exit:7", "a0/sleep:30000", "env", "store"});
+  };
+  Subprocess n0(node(0), env);
+  Subprocess n1(node(1), env);
+  ProcResult r0 = n0.wait(20), r1 = n1.wait(20);
+  ASSERT_EQ(r0.exit_code, 0) << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.err;
+  EXPECT_LT(r0.seconds, 10.0);
+  EXPECT_CONTAINS(r0.err, "restarting the worker group (restart 1 of --max-restarts 1)");
+  EXPECT_EQ(worker_env(r0.out)[0]["TORCHELASTIC_RESTART_COUNT"], "1");
+  EXPECT_CONTAINS(r1.out, "[rank1]: store ok world=2");
+}
+
 }  // namespace
 }  // namespace tandem::testing
