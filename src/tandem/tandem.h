@@ -1,6 +1,10 @@
 // Tandem's public API in one include.
 #pragma once
 
+#include "tandem/amp/autocast.h"
+#include "tandem/amp/grad_scaler.h"
+#include "tandem/amp/initialize.h"
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/allocator.h"

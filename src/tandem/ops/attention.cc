@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/attention.h"
 #include "tandem/ops/linalg.h"
@@ -42,6 +43,7 @@ kernels::AttentionShape check_shapes(const Tensor& q, const Tensor& k, const Ten
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     std::optional<double> scale_opt) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::scaled_dot_product_attention, [](const auto&... args) { return scaled_dot_product_attention(args...); }, q, k, v, causal, scale_opt);
   const kernels::AttentionShape s = check_shapes(q, k, v, causal);
   const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
   const DType acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/core/parallel.h"
 #include "tandem/kernels/cpu/conv.h"
@@ -15,6 +16,7 @@ using autograd::record;
 using G = std::vector<Tensor>;
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const Conv2dOptions& o) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::conv2d, [](const auto&... args) { return conv2d(args...); }, x, weight, bias, o);
   const kernels::Conv2dParams p{o.stride, o.padding, o.dilation, o.groups};
   TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "conv2d: expected a floating input, got {}", dtype_name(x.dtype()));
   Tensor y = kernels::conv2d_forward(x.detach(), weight.detach(), bias.defined() ? bias.detach() : bias, p);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/activation.h"
 #include "tandem/kernels/cpu/loops.h"
@@ -132,6 +133,7 @@ Tensor neg(const Tensor& x) {
 }
 
 Tensor exp(const Tensor& x) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::exp, [](const auto&... args) { return exp(args...); }, x);
   check_floating(x, "exp");
   Tensor out = unary_op(x, "exp", [](auto v) { return std::exp(v); });
   record("ExpBackward", {x}, {out}, [y = out.detach()](const G& g) { return G{mul(g[0], y)}; });
@@ -139,6 +141,7 @@ Tensor exp(const Tensor& x) {
 }
 
 Tensor log(const Tensor& x) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::log, [](const auto&... args) { return log(args...); }, x);
   check_floating(x, "log");
   Tensor out = unary_op(x, "log", [](auto v) { return std::log(v); });
   record("LogBackward", {x}, {out}, [x = x.detach()](const G& g) { return G{div(g[0], x)}; });
@@ -185,6 +188,7 @@ Tensor abs(const Tensor& x) {
 }
 
 Tensor pow(const Tensor& x, double p) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::pow, [](const auto&... args) { return pow(args...); }, x, p);
   check_floating(x, "pow");
   Tensor out = unary_op(x, "pow", [p](auto v) { return std::pow(v, static_cast<decltype(v)>(p)); });
   record("PowBackward", {x}, {out}, [x = x.detach(), p](const G& g) {
@@ -198,6 +202,7 @@ Tensor pow(const Tensor& x, double p) {
 }
 
 Tensor pow(const Tensor& x0, const Tensor& e0) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::pow, [](const auto&... args) { return pow(args...); }, x0, e0);
   auto [x, e] = promote(x0, e0, "pow");
   Tensor out = binary_op(x, e, "pow", [](auto a, auto b) { return std::pow(a, b); });
   record("PowTensorBackward", {x, e}, {out}, [x = x.detach(), e = e.detach(), y = out.detach()](const G& g) {

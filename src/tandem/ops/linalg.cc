@@ -2,6 +2,7 @@
 // oneDNN, never copies.
 #include "tandem/ops/linalg.h"
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
@@ -29,6 +30,7 @@ Tensor mm_raw(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::matmul, [](const auto&... args) { return matmul(args...); }, a, b);
   check_pair(a, b, "matmul");
   TANDEM_CHECK(a.dim() >= 1 && b.dim() >= 1, ShapeError, "matmul: both operands need at least 1 dim, got {} and {}",
                shape_str(a.shape()), shape_str(b.shape()));
@@ -75,6 +77,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::linear, [](const auto&... args) { return linear(args...); }, x, weight, bias);
   check_pair(x, weight, "linear");
   TANDEM_CHECK(weight.dim() == 2, ShapeError, "linear: weight must be 2-d (out_features, in_features), got {}",
                shape_str(weight.shape()));

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/ops/elementwise.h"
@@ -77,6 +78,7 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log) {
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t dim) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::softmax, [](const auto&... args) { return softmax(args...); }, x, dim);
   Tensor y = softmax_impl(x, dim, false);
   if (x.dim() == 0) return y;
   const int64_t d = wrap_dim(dim, x.dim(), "softmax");
@@ -89,6 +91,7 @@ Tensor softmax(const Tensor& x, int64_t dim) {
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::log_softmax, [](const auto&... args) { return log_softmax(args...); }, x, dim);
   Tensor y = softmax_impl(x, dim, true);
   if (x.dim() == 0) return y;
   const int64_t d = wrap_dim(dim, x.dim(), "log_softmax");
@@ -152,6 +155,7 @@ Flat flatten_classes(const Tensor& input, const Tensor& target, const char* op) 
 }  // namespace
 
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& o) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::cross_entropy, [](const auto&... args) { return cross_entropy(args...); }, input, target, o);
   const Reduction red = parse_reduction(o.reduction, "cross_entropy");
   TANDEM_CHECK(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, ValueError,
                "cross_entropy: label_smoothing must be in [0, 1], got {}", o.label_smoothing);
@@ -256,6 +260,7 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
 }
 
 Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions& o) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::nll_loss, [](const auto&... args) { return nll_loss(args...); }, input, target, o);
   const Reduction red = parse_reduction(o.reduction, "nll_loss");
   Flat f = flatten_classes(input, target, "nll_loss");
   const int64_t R = f.x.size(0), C = f.x.size(1);
@@ -303,6 +308,7 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, std::string_view reduction) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::mse_loss, [](const auto&... args) { return mse_loss(args...); }, input, target, reduction);
   const Reduction red = parse_reduction(reduction, "mse_loss");
   TANDEM_CHECK(input.shape() == target.shape(), ShapeError, "mse_loss: input shape {} and target shape {} differ",
                shape_str(input.shape()), shape_str(target.shape()));

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/parallel.h"
@@ -143,6 +144,10 @@ void check_param(const Tensor& t, int64_t C, const char* what, const char* op) {
 
 Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum, double eps) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::batch_norm,
+        // running statistics are updated in place: never cast (a cast would update a copy)
+        [&](const Tensor& x, const Tensor& w, const Tensor& b) { return batch_norm(x, running_mean, running_var, w, b, training, momentum, eps); },
+        x_in, weight, bias);
   TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "batch_norm: expected an input of shape (N, C, *), got {}",
                shape_str(x_in.shape()));
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "batch_norm: expected a floating input, got {}",
@@ -423,6 +428,7 @@ G row_norm_backward(const RowNorm& rn, const Tensor& gy_in, const std::vector<do
 }  // namespace
 
 Tensor layer_norm(const Tensor& x_in, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::layer_norm, [](const auto&... args) { return layer_norm(args...); }, x_in, normalized_shape, weight, bias, eps);
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "layer_norm: expected a floating input, got {}",
                dtype_name(x_in.dtype()));
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
@@ -459,6 +465,7 @@ Tensor layer_norm(const Tensor& x_in, const Shape& normalized_shape, const Tenso
 }
 
 Tensor group_norm(const Tensor& x_in, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::group_norm, [](const auto&... args) { return group_norm(args...); }, x_in, num_groups, weight, bias, eps);
   TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "group_norm: expected an input of shape (N, C, *), got {}",
                shape_str(x_in.shape()));
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "group_norm: expected a floating input, got {}",

@@ -1,6 +1,7 @@
 // Reductions with their backward beside them.
 #include "tandem/ops/reduce.h"
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/reduce.h"
@@ -38,6 +39,7 @@ Tensor broadcast_back(const Tensor& g, const Shape& in_shape, const Shape& in_st
 }  // namespace
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::sum, [](const auto&... args) { return sum(args...); }, x, dims_in, keepdim);
   check_floating(x, "sum");
   const std::vector<int64_t> dims = kernels::reduction_dims(dims_in, x.dim(), "sum");
   Tensor out = kernels::sum(x, dims, keepdim, x.dtype());
@@ -48,6 +50,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
 }
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::mean, [](const auto&... args) { return mean(args...); }, x, dims_in, keepdim);
   check_floating(x, "mean");
   const std::vector<int64_t> dims = kernels::reduction_dims(dims_in, x.dim(), "mean");
   int64_t count = 1;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
@@ -255,6 +256,7 @@ Tensor Tensor::to(DType target) const {
 namespace ops {
 
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::cat, [](const auto&... args) { return cat(args...); }, tensors, dim);
   TANDEM_CHECK(!tensors.empty(), ValueError, "cat: expected a non-empty list of tensors");
   const Tensor& first = tensors[0];
   dim = wrap_dim(dim, first.dim(), "cat");
@@ -298,6 +300,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::stack, [](const auto&... args) { return stack(args...); }, tensors, dim);
   TANDEM_CHECK(!tensors.empty(), ValueError, "stack: expected a non-empty list of tensors");
   dim = wrap_dim(dim, tensors[0].dim() + 1, "stack");
   std::vector<Tensor> parts;

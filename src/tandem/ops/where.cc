@@ -1,5 +1,6 @@
 #include "tandem/ops/where.h"
 
+#include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/ops/elementwise.h"
@@ -21,6 +22,7 @@ Tensor as_selector(const Tensor& cond, DType dtype, const char* op) {
 }  // namespace
 
 Tensor where(const Tensor& cond, const Tensor& a0, const Tensor& b0) {
+  if (amp::autocast_active()) return amp::autocast_call(amp::Op::where, [](const auto&... args) { return where(args...); }, cond, a0, b0);
   const DType dt = promote_types(a0.dtype(), b0.dtype());
   TANDEM_CHECK(is_floating(dt), DTypeError, "where: expected floating values, got {} and {}", dtype_name(a0.dtype()),
                dtype_name(b0.dtype()));

@@ -132,6 +132,7 @@ void Adam::step() {
     }
   }
   if (!fused.empty()) kernels::adam_update_multi_f32(fused);
+  run_step_post_hooks();
 }
 
 }  // namespace tandem::optim

@@ -55,6 +55,17 @@ double Optimizer::option(const ParamGroup& g, const std::string& key) const {
   return it->second;
 }
 
+int64_t Optimizer::register_step_post_hook(std::function<void(Optimizer&)> hook) {
+  step_post_hooks_.emplace(next_hook_, std::move(hook));
+  return next_hook_++;
+}
+
+void Optimizer::remove_step_post_hook(int64_t handle) { step_post_hooks_.erase(handle); }
+
+void Optimizer::run_step_post_hooks() {
+  for (auto& [handle, hook] : step_post_hooks_) hook(*this);
+}
+
 std::map<std::string, Tensor>& Optimizer::state_of(const Tensor& param) { return state_[&param.impl()]; }
 
 OptimizerState Optimizer::state_dict() const {

@@ -3,6 +3,7 @@
 // parameter's dtype for f32/f64 (FP32 master copies for low-precision parameters come in #4).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -41,6 +42,11 @@ class Optimizer {
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
   const std::string& name() const { return name_; }
 
+  // PyTorch's register_step_post_hook: `hook` runs after every step() (amp's O2 copies the f32
+  // master weights back into the low-precision model there). Returns a handle for removal.
+  int64_t register_step_post_hook(std::function<void(Optimizer&)> hook);
+  void remove_step_post_hook(int64_t handle);
+
   OptimizerState state_dict() const;
   // Throws ValueError naming the group/parameter when the structure or a shape differs.
   void load_state_dict(const OptimizerState& state);
@@ -49,12 +55,16 @@ class Optimizer {
   // Per-parameter state, created empty on first use.
   std::map<std::string, Tensor>& state_of(const Tensor& param);
   double option(const ParamGroup& g, const std::string& key) const;
+  // Every step() implementation calls this last.
+  void run_step_post_hooks();
 
  private:
   std::string name_;
   Options defaults_;
   std::vector<ParamGroup> groups_;
   std::map<const TensorImpl*, std::map<std::string, Tensor>> state_;
+  std::map<int64_t, std::function<void(Optimizer&)>> step_post_hooks_;
+  int64_t next_hook_ = 0;
 };
 
 }  // namespace tandem::optim

@@ -81,6 +81,7 @@ void SGD::step() {
       });
     }
   }
+  run_step_post_hooks();
 }
 
 }  // namespace tandem::optim
