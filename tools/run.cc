@@ -431,10 +431,15 @@ class Coordinator {
     last_seen_.assign(size_t(o_.nnodes), {-1, Clock::now()});
   }
 
-  // Publishes this node's failure of attempt k (the first report wins).
-  void report_failure(int64_t attempt, const std::string& what) {
+  // Publishes this node's failure of attempt k (the first report wins). Best effort: a lost
+  // store is reported, and the other nodes notice the missing heartbeats.
+  void report_failure(int64_t attempt, const std::string& what) noexcept {
     if (o_.nnodes == 1) return;
-    store_.compare_set(key(attempt, "failed"), {}, dist::to_bytes(what));
+    try {
+      store_.compare_set(key(attempt, "failed"), {}, dist::to_bytes(what));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tandem run: could not tell the other nodes: %s\n", e.what());
+    }
   }
 
   // Called every tick while workers run or this node waits: heartbeats, and the reason to stop
@@ -648,11 +653,7 @@ int run(const RunOptions& o) {
       last_failure = describe_failure(o, *r.failure, attempt, false);
       say(describe_failure(o, *r.failure, attempt, true));
       for (const WorkerExit& e : r.also_failed) say("also " + describe_failure(o, e, attempt, true));
-      try {
-        coord.report_failure(attempt, last_failure);
-      } catch (const std::exception& e) {
-        say(fmt::format("could not tell the other nodes: {}", e.what()));
-      }
+      coord.report_failure(attempt, last_failure);
     } else {
       last_failure = r.remote_reason;
       say(fmt::format("stopped the workers of node {}: {}", o.node_rank, r.remote_reason));
