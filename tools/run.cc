@@ -119,7 +119,7 @@ int64_t parse_int(const std::string& flag, const std::string& text, int64_t lo, 
   if (ec != std::errc() || end != text.data() + text.size())
     throw UsageError(fmt::format("tandem run: {} expects {}, got \"{}\"", flag, what, text));
   if (v < lo || v > hi)
-    throw UsageError(fmt::format("tandem run: {} must be in [{}, {}], got {} ({})", flag, lo, hi, v, what));
+    throw UsageError(fmt::format("tandem run: {} must be between {} and {}, got {}; give {}", flag, lo, hi, v, what));
   return v;
 }
 

@@ -33,9 +33,9 @@ void put(int fd, const std::string& text) {
   }
 }
 
-extern "C" void on_term(int) {
-  const char msg[] = "got-term\n";
-  ssize_t ignored = write(1, msg, sizeof(msg) - 1);
+extern "C" void on_signal(int sig) {
+  const char* msg = sig == SIGINT ? "got SIGINT\n" : "got SIGTERM\n";
+  ssize_t ignored = write(1, msg, std::strlen(msg));
   (void)ignored;
   _exit(42);
 }
@@ -71,6 +71,8 @@ int run_step(const std::string& step, long rank, long attempt) {
     put(1, "env CPUS=" + cpus + "\n");
   } else if (verb == "out") {
     put(1, arg + "\n");
+  } else if (verb == "raw") {
+    put(1, arg);  // no newline
   } else if (verb == "err") {
     put(2, arg + "\n");
   } else if (verb == "lines") {
@@ -92,7 +94,8 @@ int run_step(const std::string& step, long rank, long attempt) {
     std::this_thread::sleep_for(std::chrono::seconds(5));  // a caught/ignored signal: not expected
     return 99;
   } else if (verb == "trap") {
-    signal(SIGTERM, on_term);
+    signal(SIGTERM, on_signal);
+    signal(SIGINT, on_signal);
   } else if (verb == "ignore-term") {
     signal(SIGTERM, SIG_IGN);
   } else if (verb == "store") {
