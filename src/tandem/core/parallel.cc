@@ -1,6 +1,7 @@
 #include "tandem/core/parallel.h"
 
 #include <omp.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -126,6 +127,14 @@ class Pool {
 
 std::mutex pool_mu;
 Pool* pool_ptr = nullptr;
+
+// fork(): the child has none of the parent's worker threads, and pool_mu may have been held by one
+// of them. The child starts with a fresh pool (the parent's is leaked there).
+void reset_pool_in_child() {
+  new (&pool_mu) std::mutex();
+  pool_ptr = nullptr;
+}
+[[maybe_unused]] const int pool_atfork_registered = pthread_atfork(nullptr, nullptr, reset_pool_in_child);
 
 Pool& pool() {
   std::lock_guard<std::mutex> lock(pool_mu);

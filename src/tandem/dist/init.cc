@@ -1,0 +1,323 @@
+// Process-group setup (torch.distributed's module-level functions): the launch environment
+// (torchrun, OpenMPI, Slurm), the rendezvous store of init_method (env://, tcp://, file://), the
+// default group and its subgroups, and the backend factory by name.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include <fmt/ranges.h>
+
+#include "tandem/dist/backends.h"
+#include "tandem/dist/file_store.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/dist/tcp_store.h"
+
+namespace tandem::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const char* getenv_nonempty(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+int parse_int_var(const char* name, const char* value, int min_value) {
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(value, &end, 10);
+  TANDEM_CHECK(errno == 0 && end != value && *end == '\0' && v >= min_value && v <= (1L << 30), ValueError,
+               "environment variable {}='{}' is not an integer >= {}", name, value, min_value);
+  return static_cast<int>(v);
+}
+
+int int_var(const char* name, int min_value) {
+  const char* v = getenv_nonempty(name);
+  return v == nullptr ? -1 : parse_int_var(name, v, min_value);
+}
+
+}  // namespace
+
+// The first host of a Slurm node list: "node[01-04,07],login1" -> "node01", "a,b" -> "a",
+// "gpu-[3-5]" -> "gpu-3". Throws ValueError for an unbalanced bracket.
+std::string slurm_first_host(const std::string& nodelist) {
+  size_t i = 0;
+  std::string host;
+  while (i < nodelist.size() && nodelist[i] != ',') {
+    if (nodelist[i] == '[') {
+      const size_t close = nodelist.find(']', i);
+      TANDEM_CHECK(close != std::string::npos, ValueError,
+                   "SLURM_JOB_NODELIST='{}' has an unclosed '['", nodelist);
+      const std::string range = nodelist.substr(i + 1, close - i - 1);
+      const size_t end = range.find_first_of(",-");
+      host += range.substr(0, end);  // the first number keeps its zero padding
+      i = close + 1;
+    } else {
+      host += nodelist[i++];
+    }
+  }
+  TANDEM_CHECK(!host.empty(), ValueError, "SLURM_JOB_NODELIST='{}' names no host", nodelist);
+  return host;
+}
+
+LaunchEnv read_launch_env() {
+  LaunchEnv env;
+  if (getenv_nonempty("RANK") != nullptr || getenv_nonempty("WORLD_SIZE") != nullptr) {
+    env.source = "torchrun";
+    env.rank = int_var("RANK", 0);
+    env.world_size = int_var("WORLD_SIZE", 1);
+    env.local_rank = int_var("LOCAL_RANK", 0);
+    env.local_world_size = int_var("LOCAL_WORLD_SIZE", 1);
+  } else if (getenv_nonempty("OMPI_COMM_WORLD_RANK") != nullptr) {
+    env.source = "openmpi";
+    env.rank = int_var("OMPI_COMM_WORLD_RANK", 0);
+    env.world_size = int_var("OMPI_COMM_WORLD_SIZE", 1);
+    env.local_rank = int_var("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    env.local_world_size = int_var("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  } else if (getenv_nonempty("SLURM_PROCID") != nullptr) {
+    env.source = "slurm";
+    env.rank = int_var("SLURM_PROCID", 0);
+    env.world_size = int_var("SLURM_NTASKS", 1);
+    env.local_rank = int_var("SLURM_LOCALID", 0);
+    env.local_world_size = int_var("SLURM_NTASKS_PER_NODE", 1);
+    if (const char* nodes = getenv_nonempty("SLURM_JOB_NODELIST")) env.master_addr = slurm_first_host(nodes);
+    else if (const char* nodes2 = getenv_nonempty("SLURM_NODELIST")) env.master_addr = slurm_first_host(nodes2);
+  }
+  // MASTER_ADDR/MASTER_PORT win over what a scheduler implies.
+  if (const char* addr = getenv_nonempty("MASTER_ADDR")) env.master_addr = addr;
+  if (const char* port = getenv_nonempty("MASTER_PORT")) env.master_port = parse_int_var("MASTER_PORT", port, 1);
+  TANDEM_CHECK(env.master_port <= 65535, ValueError, "MASTER_PORT={} is not a TCP port (1..65535)", env.master_port);
+  if (env.rank >= 0 && env.world_size >= 1) {
+    TANDEM_CHECK(env.rank < env.world_size, ValueError,
+                 "the {} environment gives rank {} but world size {}: the rank must be < the world size",
+                 env.source, env.rank, env.world_size);
+  }
+  return env;
+}
+
+// ---- backends by name ----
+
+std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std::shared_ptr<Store> store,
+                                                 int rank, int size, ProcessGroupOptions options) {
+  TANDEM_CHECK(store != nullptr, ValueError, "make_process_group('{}'): the store is null", backend);
+  if (backend == "shm") return make_shm_group(std::move(store), rank, size, options);
+  if (backend == "mpi") return make_mpi_group(std::move(store), rank, size, options);
+  if (backend == "gloo") return make_gloo_group(std::move(store), rank, size, options);
+  if (backend == "nccl") return make_nccl_group(std::move(store), rank, size, options);
+  throw ValueError(fmt::format("unknown process-group backend '{}': expected shm, mpi, gloo or nccl", backend));
+}
+
+// ---- the default group ----
+
+namespace {
+
+struct GroupState {
+  std::mutex mu;
+  std::shared_ptr<ProcessGroup> default_pg;
+  std::shared_ptr<Store> store;  // the job's store (unprefixed)
+  std::string backend;
+  std::string group_name;
+  std::vector<std::weak_ptr<ProcessGroup>> subgroups;
+  int64_t next_subgroup = 0;
+};
+
+GroupState& state() {
+  static GroupState* s = new GroupState();  // leaked: groups may be destroyed during static teardown
+  return *s;
+}
+
+// Every rank announces itself and waits for the others; a missing rank is named.
+void rendezvous(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout) {
+  store.set(fmt::format("{}/rank/{}", prefix, rank), fmt::format("{}", static_cast<long>(getpid())));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/rank/{}", prefix, r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const Timeout&) {
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r) {
+      if (!store.check({keys[r]})) missing.push_back(r);
+    }
+    throw Timeout(fmt::format(
+        "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
+        "check that every rank was started with the same MASTER_ADDR/MASTER_PORT (or init_method) and world size",
+        fmt::join(missing, ", "), size, timeout.count(), rank));
+  }
+}
+
+std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, int world_size) {
+  const std::string& m = o.init_method;
+  auto need = [](bool ok, const char* what) {
+    TANDEM_CHECK(ok, ValueError, "{}", what);
+  };
+  std::string host;
+  int port = -1;
+  if (m.empty() || m == "env://") {
+    const LaunchEnv env = read_launch_env();
+    need(!env.master_addr.empty(),
+         "MASTER_ADDR is not set: run under `tandem run` or torchrun, or set MASTER_ADDR and MASTER_PORT "
+         "(e.g. MASTER_ADDR=127.0.0.1 MASTER_PORT=29500), or pass init_method=\"tcp://host:port\"");
+    need(env.master_port > 0,
+         "MASTER_PORT is not set: run under `tandem run` or torchrun, or set MASTER_PORT (e.g. 29500) "
+         "next to MASTER_ADDR, or pass init_method=\"tcp://host:port\"");
+    host = env.master_addr;
+    port = env.master_port;
+  } else if (m.rfind("tcp://", 0) == 0) {
+    const std::string hp = m.substr(6);
+    const size_t colon = hp.rfind(':');
+    TANDEM_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < hp.size(), ValueError,
+                 "init_method '{}' must be tcp://host:port", m);
+    host = hp.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    port = parse_int_var("the port of init_method", hp.substr(colon + 1).c_str(), 1);
+    TANDEM_CHECK(port <= 65535, ValueError, "init_method '{}': port {} is not a TCP port", m, port);
+  } else if (m.rfind("file://", 0) == 0) {
+    const std::string path = m.substr(7);
+    TANDEM_CHECK(!path.empty() && path[0] == '/', ValueError,
+                 "init_method '{}' must be file:///absolute/path", m);
+    return std::make_shared<FileStore>(path, o.timeout);
+  } else {
+    throw ValueError(fmt::format("init_method '{}' is not supported: use env://, tcp://host:port or file:///path", m));
+  }
+  TCPStoreOptions so;
+  so.is_master = rank == 0;
+  so.world_size = world_size;
+  so.timeout = o.timeout;
+  so.wait_for_workers = false;  // our own rendezvous names the missing ranks
+  try {
+    return std::make_shared<TCPStore>(host, static_cast<uint16_t>(port), so);
+  } catch (const CommError& e) {
+    if (rank == 0) throw;
+    throw CommError(fmt::format("{} (rank 0 hosts the store at {}:{}: did rank 0 start, with the same "
+                                "MASTER_ADDR/MASTER_PORT?)", e.what(), host, port));
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
+  GroupState& s = state();
+  std::lock_guard lock(s.mu);
+  TANDEM_CHECK(s.default_pg == nullptr, ValueError,
+               "init_process_group was already called in this process; call destroy_process_group() first");
+  int rank = options.rank, world_size = options.world_size;
+  if (rank < 0 || world_size < 0) {
+    const LaunchEnv env = read_launch_env();
+    if (rank < 0) rank = env.rank;
+    if (world_size < 0) world_size = env.world_size;
+  }
+  TANDEM_CHECK(rank >= 0, ValueError,
+               "RANK is not set: run under `tandem run`, torchrun, mpirun or srun, or set RANK (and WORLD_SIZE), "
+               "or pass InitOptions::rank");
+  TANDEM_CHECK(world_size >= 1, ValueError,
+               "WORLD_SIZE is not set: run under `tandem run`, torchrun, mpirun or srun, or set WORLD_SIZE, "
+               "or pass InitOptions::world_size");
+  TANDEM_CHECK(rank < world_size, ValueError, "rank {} is not below the world size {}", rank, world_size);
+  TANDEM_CHECK(options.timeout.count() > 0, ValueError, "init_process_group: timeout must be positive");
+  std::shared_ptr<Store> store = options.store ? options.store : store_from_init_method(options, rank, world_size);
+  const std::string name = options.group_name.empty() ? "default_pg" : options.group_name;
+  rendezvous(*store, name + "/init", rank, world_size, options.timeout);
+  auto pg_store = std::make_shared<PrefixStore>(name, store);
+  ProcessGroupOptions pgo;
+  pgo.timeout = options.timeout;
+  s.default_pg = make_process_group(options.backend, pg_store, rank, world_size, pgo);
+  s.store = store;
+  s.backend = options.backend;
+  s.group_name = name;
+  s.next_subgroup = 0;
+  return s.default_pg;
+}
+
+bool is_initialized() {
+  GroupState& s = state();
+  std::lock_guard lock(s.mu);
+  return s.default_pg != nullptr;
+}
+
+std::shared_ptr<ProcessGroup> default_group() {
+  GroupState& s = state();
+  std::lock_guard lock(s.mu);
+  TANDEM_CHECK(s.default_pg != nullptr, ValueError,
+               "no default process group: call dist::init_process_group() first");
+  return s.default_pg;
+}
+
+int get_rank() { return default_group()->rank(); }
+int get_world_size() { return default_group()->size(); }
+
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chrono::milliseconds timeout) {
+  auto pg = default_group();
+  GroupState& s = state();
+  std::unique_lock lock(s.mu);
+  std::vector<int> sorted = ranks;
+  if (sorted.empty()) {
+    for (int r = 0; r < pg->size(); ++r) sorted.push_back(r);
+  }
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    TANDEM_CHECK(sorted[i] >= 0 && sorted[i] < pg->size(), ValueError,
+                 "new_group: rank {} is outside the default group of size {}", sorted[i], pg->size());
+    TANDEM_CHECK(i == 0 || sorted[i] != sorted[i - 1], ValueError, "new_group: rank {} is listed twice", sorted[i]);
+  }
+  // Every rank of the default group numbers its subgroups the same way (c10d's rule), so the
+  // k-th new_group call names the same store prefix everywhere, members or not.
+  const int64_t id = s.next_subgroup++;
+  auto it = std::find(sorted.begin(), sorted.end(), pg->rank());
+  if (it == sorted.end()) return nullptr;
+  const int sub_rank = static_cast<int>(it - sorted.begin());
+  const std::string name = fmt::format("{}/sub{}", s.group_name, id);
+  auto store = s.store;
+  const std::string backend = s.backend;
+  lock.unlock();
+  rendezvous(*store, name + "/init", sub_rank, static_cast<int>(sorted.size()), timeout);
+  ProcessGroupOptions pgo;
+  pgo.timeout = timeout;
+  auto sub = make_process_group(backend, std::make_shared<PrefixStore>(name, store), sub_rank,
+                                static_cast<int>(sorted.size()), pgo);
+  lock.lock();
+  s.subgroups.push_back(sub);
+  return sub;
+}
+
+void destroy_process_group() {
+  GroupState& s = state();
+  std::shared_ptr<ProcessGroup> pg;
+  std::shared_ptr<Store> store;
+  {
+    std::lock_guard lock(s.mu);
+    pg = std::move(s.default_pg);
+    store = std::move(s.store);
+    s.subgroups.clear();
+    s.default_pg = nullptr;
+  }
+  // pg and store go here, outside the lock: the last reference destroys the group.
+}
+
+void barrier() { default_group()->barrier()->wait(); }
+
+}  // namespace tandem::dist
+
+namespace tandem::dist {
+
+bool backend_available(const std::string& name) {
+  if (name == "shm") return true;
+#ifdef TANDEM_WITH_MPI
+  if (name == "mpi") return true;
+#endif
+#ifdef TANDEM_WITH_GLOO
+  if (name == "gloo") return true;
+#endif
+#ifdef TANDEM_WITH_CUDA
+  if (name == "nccl") return true;
+#endif
+  return false;
+}
+
+}  // namespace tandem::dist

@@ -1,0 +1,169 @@
+// Element-wise reductions over N arrays, in blocks that stay in L1: widen the first input into an
+// accumulator block, combine the others into it, narrow once into the output. Each dtype has one
+// entry point compiled three times (target_clones); the loops are plain so the vectoriser does
+// the rest.
+#include "tandem/dist/shm_kernels.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+namespace tandem::dist::shm {
+namespace {
+
+constexpr int kBlock = 512;
+
+// Storage type -> (bits type in memory, accumulator type).
+template <class T> struct Traits { using Mem = T; using Acc = T; };
+template <> struct Traits<bfloat16> { using Mem = uint16_t; using Acc = float; };
+template <> struct Traits<half> { using Mem = uint16_t; using Acc = float; };
+
+template <class T>
+[[gnu::always_inline]] inline void load_block(typename Traits<T>::Acc* acc, const typename Traits<T>::Mem* src, int n) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    for (int i = 0; i < n; ++i) acc[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+  } else if constexpr (std::is_same_v<T, half>) {
+    for (int i = 0; i < n; ++i) acc[i] = ::tandem::detail::half_bits_to_float(src[i]);
+  } else {
+    for (int i = 0; i < n; ++i) acc[i] = src[i];
+  }
+}
+
+template <class T>
+[[gnu::always_inline]] inline void store_block(typename Traits<T>::Mem* dst, const typename Traits<T>::Acc* acc, int n) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    // Round to nearest even, NaN kept quiet: detail::float_to_bf16_bits in a vectorisable form.
+    for (int i = 0; i < n; ++i) {
+      const uint32_t x = std::bit_cast<uint32_t>(acc[i]);
+      const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+      const uint32_t nan = (x >> 16) | 0x40u;
+      dst[i] = static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+    }
+  } else if constexpr (std::is_same_v<T, half>) {
+    for (int i = 0; i < n; ++i) dst[i] = ::tandem::detail::float_to_half_bits(acc[i]);
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = acc[i];
+  }
+}
+
+template <class A>
+[[gnu::always_inline]] inline A add(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+template <class A>
+[[gnu::always_inline]] inline A mul(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+    return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+  } else {
+    return a * b;
+  }
+}
+
+template <class T>
+[[gnu::always_inline]] inline void combine_block(typename Traits<T>::Acc* acc, const typename Traits<T>::Mem* src,
+                                                 int n, ReduceOp op) {
+  using A = typename Traits<T>::Acc;
+  A v[kBlock];
+  load_block<T>(v, src, n);
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      for (int i = 0; i < n; ++i) acc[i] = add(acc[i], v[i]);
+      break;
+    case ReduceOp::PRODUCT:
+      for (int i = 0; i < n; ++i) acc[i] = mul(acc[i], v[i]);
+      break;
+    case ReduceOp::MAX:
+      for (int i = 0; i < n; ++i) acc[i] = v[i] > acc[i] ? v[i] : acc[i];
+      break;
+    case ReduceOp::MIN:
+      for (int i = 0; i < n; ++i) acc[i] = v[i] < acc[i] ? v[i] : acc[i];
+      break;
+  }
+}
+
+template <class T>
+[[gnu::always_inline]] inline void reduce_impl(void* out_v, const void* const* in_v, int nin, int64_t count,
+                                               ReduceOp op, int avg_divisor) {
+  using M = typename Traits<T>::Mem;
+  using A = typename Traits<T>::Acc;
+  M* out = static_cast<M*>(out_v);
+  for (int64_t b = 0; b < count; b += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, count - b));
+    A acc[kBlock];
+    load_block<T>(acc, static_cast<const M*>(in_v[0]) + b, n);
+    for (int k = 1; k < nin; ++k) combine_block<T>(acc, static_cast<const M*>(in_v[k]) + b, n, op);
+    if (op == ReduceOp::AVG) {
+      const A d = static_cast<A>(avg_divisor);
+      for (int i = 0; i < n; ++i) acc[i] = acc[i] / d;
+    }
+    store_block<T>(out + b, acc, n);
+  }
+}
+
+#define TANDEM_SHM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+TANDEM_SHM_CLONES void reduce_f32(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<float>(o, in, nin, c, op, d);
+}
+TANDEM_SHM_CLONES void reduce_f64(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<double>(o, in, nin, c, op, d);
+}
+TANDEM_SHM_CLONES void reduce_bf16(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<bfloat16>(o, in, nin, c, op, d);
+}
+TANDEM_SHM_CLONES void reduce_f16(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<half>(o, in, nin, c, op, d);
+}
+TANDEM_SHM_CLONES void reduce_i32(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<int32_t>(o, in, nin, c, op, d);
+}
+TANDEM_SHM_CLONES void reduce_i64(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<int64_t>(o, in, nin, c, op, d);
+}
+TANDEM_SHM_CLONES void reduce_u8(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
+  reduce_impl<uint8_t>(o, in, nin, c, op, d);
+}
+
+}  // namespace
+
+void reduce_arrays(void* out, const void* const* in, int nin, int64_t count, DType dtype, ReduceOp op,
+                   int avg_divisor) {
+  if (count <= 0) return;
+  TANDEM_CHECK(nin >= 1, ValueError, "reduce_arrays: need at least one input, got {}", nin);
+  switch (dtype) {
+    case DType::f32: return reduce_f32(out, in, nin, count, op, avg_divisor);
+    case DType::f64: return reduce_f64(out, in, nin, count, op, avg_divisor);
+    case DType::bf16: return reduce_bf16(out, in, nin, count, op, avg_divisor);
+    case DType::f16: return reduce_f16(out, in, nin, count, op, avg_divisor);
+    case DType::i32: return reduce_i32(out, in, nin, count, op, avg_divisor);
+    case DType::i64: return reduce_i64(out, in, nin, count, op, avg_divisor);
+    case DType::u8: return reduce_u8(out, in, nin, count, op, avg_divisor);
+    case DType::b8: break;
+  }
+  throw ValueError(fmt::format("{} reduction on a bool buffer: reductions need a numeric dtype "
+                               "(f32, f64, f16, bf16, i32, i64, u8); cast to u8 first",
+                               reduce_op_name(op)));
+}
+
+const char* short_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "f32";
+    case DType::f64: return "f64";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+    case DType::u8: return "u8";
+    case DType::b8: return "bool";
+  }
+  return "?";
+}
+
+}  // namespace tandem::dist::shm

@@ -1,0 +1,26 @@
+// Reduction kernels of the shm backend: combine N input arrays element-wise into one output.
+// Vectorised through function multiversioning (AVX-512 / AVX2 / baseline clones picked at load
+// time from CPUID; the build never assumes more than x86-64).
+//
+// Numerics: f16/bf16 inputs are widened to f32, combined in f32 and rounded once to 16 bits at
+// the end (round to nearest even; NaN stays NaN), so an N-input sum has a single 16-bit rounding.
+// Integer SUM/PRODUCT wrap around (two's complement, like PyTorch); AVG on integers truncates.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/core/dtype.h"
+#include "tandem/dist/process_group.h"
+
+namespace tandem::dist::shm {
+
+// out[i] = op over k < nin of in[k][i] for i < count; AVG divides the sum by `avg_divisor`.
+// `out` may be one of the inputs (same elements); other overlaps are not allowed.
+// Throws ValueError for bool (reductions need a numeric dtype).
+void reduce_arrays(void* out, const void* const* in, int nin, int64_t count, DType dtype, ReduceOp op,
+                   int avg_divisor);
+
+// The short names used in fingerprints and errors: "f32", "bf16", "i64", "bool", ...
+const char* short_dtype_name(DType dtype);
+
+}  // namespace tandem::dist::shm

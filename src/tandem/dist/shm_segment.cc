@@ -1,0 +1,174 @@
+#include "tandem/dist/shm_segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+
+#include "tandem/dist/error.h"
+
+namespace tandem::dist::shm {
+
+std::shared_ptr<Segment> Segment::create(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  TANDEM_CHECK(fd >= 0, CommError, "shm backend: shm_open({}) failed: {} (is /dev/shm mounted and writable?)",
+               name, std::strerror(errno));
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int e = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    throw CommError(fmt::format("shm backend: cannot size segment {} to {} bytes: {}", name, bytes, std::strerror(e)));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  const int e = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    throw CommError(fmt::format("shm backend: cannot map segment {} ({} bytes): {}", name, bytes, std::strerror(e)));
+  }
+  auto s = std::shared_ptr<Segment>(new Segment());
+  s->name_ = name;
+  s->data_ = static_cast<uint8_t*>(p);
+  s->size_ = bytes;
+  s->linked_ = true;
+  return s;
+}
+
+std::shared_ptr<Segment> Segment::open(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  TANDEM_CHECK(fd >= 0, CommError,
+               "shm backend: cannot open segment {}: {} (the shm backend needs every rank on one host, "
+               "sharing /dev/shm; use the mpi backend across hosts or containers)",
+               name, std::strerror(errno));
+  struct stat st{};
+  if (fstat(fd, &st) != 0) {
+    const int e = errno;
+    close(fd);
+    throw CommError(fmt::format("shm backend: fstat of segment {} failed: {}", name, std::strerror(e)));
+  }
+  const size_t bytes = static_cast<size_t>(st.st_size);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  const int e = errno;
+  close(fd);
+  TANDEM_CHECK(p != MAP_FAILED, CommError, "shm backend: cannot map segment {} ({} bytes): {}", name, bytes,
+               std::strerror(e));
+  auto s = std::shared_ptr<Segment>(new Segment());
+  s->name_ = name;
+  s->data_ = static_cast<uint8_t*>(p);
+  s->size_ = bytes;
+  return s;
+}
+
+Segment::~Segment() {
+  unlink();
+  if (data_ != nullptr) munmap(data_, size_);
+}
+
+void Segment::unlink() noexcept {
+  if (linked_) {
+    shm_unlink(name_.c_str());
+    linked_ = false;
+  }
+}
+
+// ---- Heap ----
+
+Heap::Heap(std::shared_ptr<Segment> seg) : seg_(std::move(seg)) {
+  if (seg_->size() > 0) free_[0] = seg_->size();
+}
+
+std::optional<size_t> Heap::allocate(size_t bytes) {
+  const size_t align = bytes >= (64u << 10) ? 4096 : 64;
+  const size_t need = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  std::lock_guard lock(mu_);
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    const size_t start = it->first, len = it->second;
+    const size_t aligned = (start + align - 1) / align * align;
+    if (aligned + need > start + len) continue;
+    free_.erase(it);
+    if (aligned > start) free_[start] = aligned - start;
+    if (aligned + need < start + len) free_[aligned + need] = start + len - (aligned + need);
+    used_[aligned] = need;
+    return aligned;
+  }
+  return std::nullopt;
+}
+
+void Heap::free(size_t offset) noexcept {
+  std::lock_guard lock(mu_);
+  auto u = used_.find(offset);
+  if (u == used_.end()) return;
+  size_t start = offset, len = u->second;
+  used_.erase(u);
+  auto next = free_.lower_bound(start);
+  if (next != free_.end() && next->first == start + len) {
+    len += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      len += prev->second;
+      free_.erase(prev);
+    }
+  }
+  free_[start] = len;
+}
+
+std::optional<size_t> Heap::offset_of(const void* p, size_t bytes) const {
+  const auto* b = static_cast<const uint8_t*>(p);
+  if (b < seg_->data() || b + bytes > seg_->data() + seg_->size()) return std::nullopt;
+  return static_cast<size_t>(b - seg_->data());
+}
+
+// ---- futex, liveness ----
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  if (timeout.count() <= 0) return;
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  // Shared (not FUTEX_PRIVATE): the word lives in a segment other processes map.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool process_alive(pid_t pid) {
+  if (pid <= 0) return true;  // unknown: do not call it dead
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return errno != ENOENT;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* paren = std::strrchr(buf, ')');
+  if (paren == nullptr || paren[1] == '\0') return true;
+  const char state = paren[2];
+  return state != 'Z' && state != 'X' && state != 'x';
+}
+
+int online_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  const long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+}  // namespace tandem::dist::shm

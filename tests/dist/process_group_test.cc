@@ -1,0 +1,323 @@
+// Tests of process-group setup: the launch environment (torchrun, OpenMPI, Slurm), missing-variable
+// messages, init_process_group through env:// and file:// in real processes (dist::spawn), a rank
+// that never starts, and a rank killed with SIGKILL in the middle of a loop of all_reduce.
+// Children report failures by throwing; spawn rethrows them here with the rank.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tandem/dist/backends.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/dist/spawn.h"
+
+namespace tandem::dist {
+std::string slurm_first_host(const std::string& nodelist);  // init.cc
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+// Clears every launch variable for one test and restores them afterwards.
+class EnvGuard {
+ public:
+  EnvGuard() {
+    for (const char* k : kVars) {
+      if (const char* v = std::getenv(k)) saved_[k] = v;
+      unsetenv(k);
+    }
+  }
+  ~EnvGuard() {
+    for (const char* k : kVars) unsetenv(k);
+    for (auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
+  }
+  void set(const char* k, const char* v) { setenv(k, v, 1); }
+
+ private:
+  static constexpr const char* kVars[] = {
+      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+      "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+      "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+  std::map<std::string, std::string> saved_;
+};
+
+TEST(LaunchEnv, Torchrun) {
+  EnvGuard g;
+  g.set("RANK", "3");
+  g.set("WORLD_SIZE", "8");
+  g.set("LOCAL_RANK", "1");
+  g.set("LOCAL_WORLD_SIZE", "2");
+  g.set("MASTER_ADDR", "10.0.0.7");
+  g.set("MASTER_PORT", "29500");
+  g.set("OMPI_COMM_WORLD_RANK", "5");  // torchrun's variables win
+  const LaunchEnv e = read_launch_env();
+  EXPECT_EQ(e.source, "torchrun");
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_EQ(e.master_addr, "10.0.0.7");
+  EXPECT_EQ(e.master_port, 29500);
+}
+
+TEST(LaunchEnv, OpenMpi) {
+  EnvGuard g;
+  g.set("OMPI_COMM_WORLD_RANK", "2");
+  g.set("OMPI_COMM_WORLD_SIZE", "4");
+  g.set("OMPI_COMM_WORLD_LOCAL_RANK", "0");
+  g.set("OMPI_COMM_WORLD_LOCAL_SIZE", "2");
+  const LaunchEnv e = read_launch_env();
+  EXPECT_EQ(e.source, "openmpi");
+  EXPECT_EQ(e.rank, 2);
+  EXPECT_EQ(e.world_size, 4);
+  EXPECT_EQ(e.local_rank, 0);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_TRUE(e.master_addr.empty());
+  EXPECT_EQ(e.master_port, -1);
+}
+
+TEST(LaunchEnv, SlurmWithCompressedNodeList) {
+  EnvGuard g;
+  g.set("SLURM_PROCID", "5");
+  g.set("SLURM_NTASKS", "8");
+  g.set("SLURM_LOCALID", "1");
+  g.set("SLURM_JOB_NODELIST", "node[07-10,12],login1");
+  g.set("MASTER_PORT", "1234");
+  const LaunchEnv e = read_launch_env();
+  EXPECT_EQ(e.source, "slurm");
+  EXPECT_EQ(e.rank, 5);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.master_addr, "node07");
+  EXPECT_EQ(e.master_port, 1234);
+  EXPECT_EQ(slurm_first_host("a,b"), "a");
+  EXPECT_EQ(slurm_first_host("gpu-[3-5]"), "gpu-3");
+  EXPECT_EQ(slurm_first_host("rack[1-2]-n[01-04]"), "rack1-n01");
+  EXPECT_EQ(slurm_first_host("single"), "single");
+  EXPECT_THROW(slurm_first_host("node[01-04"), ValueError);
+}
+
+TEST(LaunchEnv, MalformedValuesAreNamed) {
+  EnvGuard g;
+  g.set("RANK", "two");
+  g.set("WORLD_SIZE", "4");
+  try {
+    read_launch_env();
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK='two'"), std::string::npos) << e.what();
+  }
+  g.set("RANK", "4");
+  EXPECT_THROW(read_launch_env(), ValueError);  // rank >= world size
+  g.set("RANK", "0");
+  g.set("MASTER_PORT", "70000");
+  EXPECT_THROW(read_launch_env(), ValueError);
+}
+
+std::string init_error(const InitOptions& o) {
+  try {
+    init_process_group(o);
+    destroy_process_group();
+  } catch (const ValueError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(InitProcessGroup, MissingVariablesAreNamedWithTheFix) {
+  EnvGuard g;
+  InitOptions o;
+  o.timeout = 2s;
+  std::string m = init_error(o);
+  EXPECT_NE(m.find("RANK is not set"), std::string::npos) << m;
+  EXPECT_NE(m.find("tandem run"), std::string::npos) << m;
+  g.set("RANK", "0");
+  m = init_error(o);
+  EXPECT_NE(m.find("WORLD_SIZE is not set"), std::string::npos) << m;
+  g.set("WORLD_SIZE", "1");
+  m = init_error(o);
+  EXPECT_NE(m.find("MASTER_ADDR is not set: run under `tandem run`"), std::string::npos) << m;
+  g.set("MASTER_ADDR", "127.0.0.1");
+  m = init_error(o);
+  EXPECT_NE(m.find("MASTER_PORT is not set"), std::string::npos) << m;
+  o.init_method = "udp://x";
+  m = init_error(o);
+  EXPECT_NE(m.find("udp://x"), std::string::npos) << m;
+  EXPECT_FALSE(is_initialized());
+  EXPECT_THROW(get_rank(), ValueError);
+}
+
+TEST(InitProcessGroup, BackendsByName) {
+  EXPECT_TRUE(backend_available("shm"));
+  EXPECT_FALSE(backend_available("carrier-pigeon"));
+  auto store = std::make_shared<HashStore>(2s);
+  EXPECT_THROW(make_process_group("carrier-pigeon", store, 0, 1), ValueError);
+}
+
+TEST(InitProcessGroup, WorldOfOneWithAStore) {
+  InitOptions o;
+  o.store = std::make_shared<HashStore>(5s);
+  o.rank = 0;
+  o.world_size = 1;
+  auto pg = init_process_group(o);
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(get_rank(), 0);
+  EXPECT_EQ(get_world_size(), 1);
+  EXPECT_THROW(init_process_group(o), ValueError);  // twice
+  barrier();
+  auto sub = new_group({0});
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(sub->size(), 1);
+  destroy_process_group();
+  EXPECT_FALSE(is_initialized());
+}
+
+// ---- real processes ----
+
+SpawnOptions spawn_options(std::chrono::milliseconds timeout = 60s) {
+  SpawnOptions s;
+  s.timeout = timeout;
+  s.env["TANDEM_NUM_THREADS"] = "1";
+  s.env["OMP_NUM_THREADS"] = "1";
+  return s;
+}
+
+void check_sum_on_default_group(int64_t count) {
+  auto pg = default_group();
+  auto mem = pg->allocate(static_cast<size_t>(count) * 4);
+  auto* x = static_cast<float*>(mem.get());
+  for (int64_t i = 0; i < count; ++i) x[i] = static_cast<float>(pg->rank() + i % 7);
+  pg->all_reduce(Buffer{x, count, DType::f32, kCPU})->wait();
+  const int n = pg->size();
+  for (int64_t i = 0; i < count; ++i) {
+    const float want = static_cast<float>(n * (n - 1) / 2 + n * (i % 7));
+    require(x[i] == want, fmt::format("rank {} element {}: {} != {}", pg->rank(), i, x[i], want));
+  }
+}
+
+TEST(Spawn, EnvInitAllReduceAcrossProcessesAndSubgroups) {
+  spawn(3, [](int rank) {
+    InitOptions o;
+    o.timeout = 20s;
+    init_process_group(o);
+    require(get_rank() == rank && get_world_size() == 3, "rank/world size from the environment");
+    check_sum_on_default_group(1000);
+    check_sum_on_default_group(300001);
+    auto sub = new_group({0, 2});
+    require((rank == 1) == (sub == nullptr), "membership of new_group");
+    if (sub) {
+      int32_t v = rank;
+      sub->all_reduce(Buffer{&v, 1, DType::i32, kCPU})->wait();
+      require(v == 2, fmt::format("subgroup sum {}", v));
+    }
+    barrier();
+    destroy_process_group();
+  }, spawn_options());
+}
+
+TEST(Spawn, FileInitMethod) {
+  const std::string path = fmt::format("/tmp/tandem_file_init_{}_{}", static_cast<long>(getpid()), Clock::now().time_since_epoch().count());
+  spawn(2, [&](int rank) {
+    InitOptions o;
+    o.init_method = "file://" + path;
+    o.timeout = 20s;
+    init_process_group(o);
+    check_sum_on_default_group(4099);
+    destroy_process_group();
+  }, spawn_options());
+  std::remove(path.c_str());
+}
+
+TEST(Spawn, ChildExceptionIsRethrownWithItsRank) {
+  try {
+    spawn(2, [](int rank) {
+      if (rank == 1) throw ValueError("bad thing on rank one");
+    }, spawn_options());
+    FAIL() << "no error";
+  } catch (const SpawnError& e) {
+    EXPECT_EQ(e.result().rank, 1);
+    EXPECT_NE(std::string(e.what()).find("ValueError: bad thing on rank one"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Spawn, TimeoutKillsAndNamesTheRanks) {
+  try {
+    spawn(2, [](int rank) {
+      if (rank == 0) sleep(30);
+    }, spawn_options(500ms));
+    FAIL() << "no error";
+  } catch (const Timeout& e) {
+    EXPECT_NE(std::string(e.what()).find("rank(s) 0 of 2"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Spawn, RankThatNeverStartsIsNamedAtRendezvous) {
+  auto opts = spawn_options();
+  opts.stop_others_on_failure = false;
+  auto results = spawn_results(3, [](int rank) {
+    if (rank == 2) return;  // never joins
+    InitOptions o;
+    o.timeout = 1500ms;
+    try {
+      init_process_group(o);
+    } catch (const Timeout& e) {
+      const std::string m = e.what();
+      require(m.find("rank(s) 2 of 3 did not join") != std::string::npos, "unexpected message: " + m);
+      return;
+    }
+    throw std::runtime_error("init_process_group succeeded without rank 2");
+  }, opts);
+  for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.describe();
+}
+
+TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
+  const auto timeout = 2000ms;
+  auto opts = spawn_options();
+  opts.stop_others_on_failure = false;
+  auto results = spawn_results(3, [&](int rank) {
+    InitOptions o;
+    o.timeout = timeout;
+    init_process_group(o);
+    auto pg = default_group();
+    const int64_t count = 1 << 18;
+    auto mem = pg->allocate(count * 4);
+    Buffer b{mem.get(), count, DType::f32, kCPU};
+    for (int it = 0; it < 100000; ++it) {
+      if (rank == 1 && it == 30) raise(SIGKILL);
+      const auto t0 = Clock::now();
+      try {
+        pg->all_reduce(b)->wait();
+      } catch (const CommError& e) {
+        const auto waited = Clock::now() - t0;
+        const std::string m = e.what();
+        require(m.find("rank 1 (pid") != std::string::npos && m.find("died") != std::string::npos,
+                 "the error does not name the dead rank: " + m);
+        require(waited < 2 * timeout, fmt::format("error after {} ms (limit {} ms)",
+                                                   std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+                                                   2 * timeout.count()));
+        std::fprintf(stderr, "rank %d got, after %lld ms: %s\n", rank,
+                     static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()),
+                     m.c_str());
+        return;
+      }
+    }
+    throw std::runtime_error("the loop finished without an error");
+  }, opts);
+  EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
+  EXPECT_TRUE(results[0].ok()) << results[0].describe();
+  EXPECT_TRUE(results[2].ok()) << results[2].describe();
+}
+
+}  // namespace
+}  // namespace tandem::dist
