@@ -1,6 +1,7 @@
 // Runs the collective sweep on the mpi backend (ctest: mpirun -np N mpi_sweep) or, with
 // `--backend gloo --spawn N`, on the gloo backend over N forked local ranks. Prints "OK" and
-// exits 0 when every rank passed; otherwise prints the first error and exits 1.
+// exits 0 when every rank passed; otherwise prints the first error and exits 1. Also:
+// --desync (mpirun -np 2: timeout + desync diagnosis), --bench BYTES (all_reduce busbw).
 //
 //   mpi:  the world group (no store), then, with a TCPStore whose port rank 0 broadcasts over
 //         the world group, a subgroup of the even world ranks (MPI_Comm_create_group path).
@@ -10,6 +11,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -80,7 +82,107 @@ int run_mpi(bool large) {
   return 0;
 }
 
-int run_gloo(int nprocs) {
+// Desync: rank 1 skips an all_reduce and enters a barrier instead. Both must fail with Timeout
+// within the group's 2 s timeout, and each error must name what the other rank is doing.
+int run_desync() {
+  const int rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+  const int size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+  if (size != 2) {
+    std::fprintf(stderr, "--desync needs mpirun -np 2\n");
+    return 2;
+  }
+  auto world = make_mpi_group(nullptr, rank, size, {});
+  TCPStoreOptions so;
+  so.timeout = std::chrono::seconds(30);
+  so.wait_for_workers = false;
+  so.token = "mpi-desync";
+  so.is_master = rank == 0;
+  std::shared_ptr<TCPStore> store;
+  int32_t port = 0;
+  if (rank == 0) {
+    store = std::make_shared<TCPStore>("127.0.0.1", 0, so);
+    port = store->port();
+  }
+  world->broadcast(Buffer{&port, 1, DType::i32, kCPU}, 0)->wait();
+  if (rank != 0) store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(port), so);
+  ProcessGroupOptions pgo;
+  pgo.timeout = std::chrono::seconds(2);
+  auto pg = make_mpi_group(store, rank, size, pgo);
+  float x[4] = {1, 2, 3, 4};
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    if (rank == 0) pg->all_reduce(Buffer{x, 4, DType::f32, kCPU})->wait();
+    else pg->barrier()->wait();
+    std::fprintf(stderr, "[rank %d] FAILED: the mismatched collective completed\n", rank);
+    return 1;
+  } catch (const Timeout& e) {
+    message = e.what();
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("[rank %d] after %.1f s: %s\n", rank, waited, message.c_str());
+  const std::string mine = rank == 0 ? "all_reduce #0" : "barrier #0";
+  const std::string theirs = rank == 0 ? "rank 1 is in barrier #0" : "rank 0 is in all_reduce #0";
+  if (message.find(mine) == std::string::npos || message.find(theirs) == std::string::npos || waited > 2 * 2.0 + 5.0) {
+    std::fprintf(stderr, "[rank %d] FAILED: the error should name '%s' and '%s' within 9 s\n", rank, mine.c_str(), theirs.c_str());
+    return 1;
+  }
+  // The group is unusable now; a new collective fails at once instead of hanging.
+  try {
+    pg->barrier()->wait(std::chrono::seconds(5));
+    std::fprintf(stderr, "[rank %d] FAILED: a collective on the broken group succeeded\n", rank);
+    return 1;
+  } catch (const CommError& e) {
+    if (dynamic_cast<const Timeout*>(&e) != nullptr) {
+      std::fprintf(stderr, "[rank %d] FAILED: a collective on the broken group hung: %s\n", rank, e.what());
+      return 1;
+    }
+  }
+  world->barrier()->wait();  // keep rank 0's store up until rank 1 is done with it
+  std::printf("desync diagnosed on rank %d\n", rank);
+  std::fflush(stdout);
+  return 0;
+}
+
+// all_reduce bus bandwidth (nccl-tests' busbw = algbw * 2(n-1)/n) of `bytes` of f32 or bf16.
+void bench(ProcessGroup& pg, int64_t bytes, DType dt, int iters) {
+  const int64_t count = bytes / static_cast<int64_t>(element_size(dt));
+  auto mem = pg.allocate(static_cast<size_t>(bytes));
+  std::memset(mem.get(), 0, static_cast<size_t>(bytes));
+  Buffer buf{mem.get(), count, dt, kCPU};
+  for (int i = 0; i < 3; ++i) pg.all_reduce(buf)->wait();
+  pg.barrier()->wait();
+  // Mean and best of `iters` (the best is the figure to trust on a shared, loaded machine).
+  double total = 0, best = 1e30;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pg.all_reduce(buf)->wait();
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total += t;
+    best = std::min(best, t);
+  }
+  const double s = total / iters;
+  const int n = pg.size();
+  const double bus = 2.0 * (n - 1) / n;
+  if (pg.rank() == 0) {
+    std::printf("%s all_reduce %lld bytes %s x%d ranks: mean %.1f us (busbw %.2f GB/s), best %.1f us (busbw %.2f GB/s)\n",
+                pg.backend_name().c_str(), static_cast<long long>(bytes), std::string(dtype_name(dt)).c_str(), n, s * 1e6,
+                bytes / s / 1e9 * bus, best * 1e6, bytes / best / 1e9 * bus);
+  }
+}
+
+int run_gloo(int nprocs, int64_t bench_bytes);
+
+int run_mpi_bench(int64_t bytes) {
+  const int rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+  const int size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+  auto world = make_mpi_group(nullptr, rank, size, {});
+  bench(*world, bytes, DType::f32, 20);
+  bench(*world, bytes, DType::bf16, 20);
+  return 0;
+}
+
+int run_gloo(int nprocs, int64_t bench_bytes) {
   TCPStoreOptions so;
   so.timeout = std::chrono::seconds(60);
   so.wait_for_workers = false;
@@ -100,9 +202,14 @@ int run_gloo(int nprocs) {
         ProcessGroupOptions pgo;
         pgo.timeout = std::chrono::seconds(60);
         auto pg = make_gloo_group(store, r, nprocs, pgo);
-        SweepOptions opt;
-        opt.ops = {"all_reduce", "broadcast", "all_gather", "barrier"};
-        log_report("gloo", r, run_collective_sweep(*pg, opt));
+        if (bench_bytes > 0) {
+          bench(*pg, bench_bytes, DType::f32, 20);
+          bench(*pg, bench_bytes, DType::bf16, 20);
+        } else {
+          SweepOptions opt;
+          opt.ops = {"all_reduce", "broadcast", "all_gather", "barrier"};
+          log_report("gloo", r, run_collective_sweep(*pg, opt));
+        }
       } catch (const std::exception& e) {
         std::fprintf(stderr, "[rank %d] FAILED: %s\n", r, e.what());
         rc = 1;
@@ -117,9 +224,14 @@ int run_gloo(int nprocs) {
     ProcessGroupOptions pgo;
     pgo.timeout = std::chrono::seconds(60);
     auto pg = make_gloo_group(master, 0, nprocs, pgo);
-    SweepOptions opt;
-    opt.ops = {"all_reduce", "broadcast", "all_gather", "barrier"};
-    log_report("gloo", 0, run_collective_sweep(*pg, opt));
+    if (bench_bytes > 0) {
+      bench(*pg, bench_bytes, DType::f32, 20);
+      bench(*pg, bench_bytes, DType::bf16, 20);
+    } else {
+      SweepOptions opt;
+      opt.ops = {"all_reduce", "broadcast", "all_gather", "barrier"};
+      log_report("gloo", 0, run_collective_sweep(*pg, opt));
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[rank 0] FAILED: %s\n", e.what());
     rc = 1;
@@ -137,19 +249,26 @@ int run_gloo(int nprocs) {
 int main(int argc, char** argv) {
   std::string backend = "mpi";
   int spawn = 2;
-  bool large = false;
+  bool large = false, desync = false;
+  int64_t bench_bytes = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--backend" && i + 1 < argc) backend = argv[++i];
     else if (a == "--spawn" && i + 1 < argc) spawn = std::atoi(argv[++i]);
     else if (a == "--large") large = true;
+    else if (a == "--desync") desync = true;
+    else if (a == "--bench" && i + 1 < argc) bench_bytes = std::atoll(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--bench BYTES]\n", argv[0]);
       return 2;
     }
   }
   try {
-    const int rc = backend == "gloo" ? run_gloo(spawn) : run_mpi(large);
+    int rc;
+    if (backend == "gloo") rc = run_gloo(spawn, bench_bytes);
+    else if (desync) rc = run_desync();
+    else if (bench_bytes > 0) rc = run_mpi_bench(bench_bytes);
+    else rc = run_mpi(large);
     if (rc == 0) std::printf("OK\n");
     return rc;
   } catch (const std::exception& e) {

@@ -122,10 +122,12 @@ class GlooGroup final : public ProcessGroup {
       if (buf.count == 0) return;
       if (is_reduced_float(buf.dtype)) {
         // Widened to f32, reduced in f32 and rounded once.
-        std::vector<float> wide(static_cast<size_t>(buf.count));
-        convert(buf.data, buf.dtype, wide.data(), DType::f32, buf.count);
-        allreduce_typed<float>(wide.data(), buf.count, op, seq);
-        convert(wide.data(), DType::f32, buf.data, buf.dtype, buf.count);
+        // The f32 staging is kept between calls (progress thread only): page faults of a fresh
+        // buffer per call would cost more than the reduction.
+        if (static_cast<int64_t>(wide_.size()) < buf.count) wide_.resize(static_cast<size_t>(buf.count));
+        convert(buf.data, buf.dtype, wide_.data(), DType::f32, buf.count);
+        allreduce_typed<float>(wide_.data(), buf.count, op, seq);
+        convert(wide_.data(), DType::f32, buf.data, buf.dtype, buf.count);
         return;
       }
       switch (buf.dtype) {
@@ -257,6 +259,7 @@ class GlooGroup final : public ProcessGroup {
   }
 
   std::shared_ptr<gloo::Context> context_;
+  std::vector<float> wide_;  // f32 staging of 16-bit all_reduce
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;

@@ -353,11 +353,12 @@ class MpiGroup final : public ProcessGroup {
                    const int n = static_cast<int>(out.count);
                    if (is_reduced_float(in.dtype) && !half_wire_) {
                      // Widen, reduce in f32, round once.
-                     std::vector<float> in32(static_cast<size_t>(in.count)), out32(static_cast<size_t>(out.count));
-                     convert(in.data, in.dtype, in32.data(), DType::f32, in.count);
-                     check_rc("MPI_Reduce_scatter_block", MPI_Reduce_scatter_block(in32.data(), out32.data(), n, MPI_FLOAT, mpi_op(op), comm_));
-                     if (op == ReduceOp::AVG) divide(out32.data(), DType::f32, out.count, size());
-                     convert(out32.data(), DType::f32, out.data, out.dtype, out.count);
+                     float* in32 = scratch(0, in.count);
+                     float* out32 = scratch(1, out.count);
+                     convert(in.data, in.dtype, in32, DType::f32, in.count);
+                     check_rc("MPI_Reduce_scatter_block", MPI_Reduce_scatter_block(in32, out32, n, MPI_FLOAT, mpi_op(op), comm_));
+                     if (op == ReduceOp::AVG) divide(out32, DType::f32, out.count, size());
+                     convert(out32, DType::f32, out.data, out.dtype, out.count);
                      return;
                    }
                    const MPI_Op mop = is_reduced_float(in.dtype) ? MpiRuntime::get().op16(in.dtype, op) : mpi_op(op);
@@ -534,13 +535,12 @@ class MpiGroup final : public ProcessGroup {
   void reduce_impl(Buffer buf, Buffer, ReduceOp op, int root) {
     if (buf.count == 0) return;
     const bool widen = is_reduced_float(buf.dtype) && !half_wire_;
-    std::vector<float> wide;
+    float* wide = widen ? scratch(0, buf.count) : nullptr;
     void* data = buf.data;
     DType dt = buf.dtype;
     if (widen) {
-      wide.resize(static_cast<size_t>(buf.count));
-      convert(buf.data, buf.dtype, wide.data(), DType::f32, buf.count);
-      data = wide.data();
+      convert(buf.data, buf.dtype, wide, DType::f32, buf.count);
+      data = wide;
       dt = DType::f32;
     }
     const MPI_Op mop = is_reduced_float(dt) ? MpiRuntime::get().op16(dt, op) : mpi_op(op);
@@ -558,7 +558,15 @@ class MpiGroup final : public ProcessGroup {
     }
     if (root >= 0 && rank() != root) return;  // non-root contents are unspecified (c10d)
     if (op == ReduceOp::AVG) divide(data, dt, buf.count, size());
-    if (widen) convert(wide.data(), DType::f32, buf.data, buf.dtype, buf.count);
+    if (widen) convert(wide, DType::f32, buf.data, buf.dtype, buf.count);
+  }
+
+  // f32 staging for 16-bit reductions, kept between collectives: a fresh 64 MiB vector per call
+  // costs more in page faults than the reduction itself. Progress thread only.
+  float* scratch(int which, int64_t count) {
+    auto& v = scratch_[which];
+    if (static_cast<int64_t>(v.size()) < count) v.resize(static_cast<size_t>(count));
+    return v.data();
   }
 
   // ---- issue and progress ----
@@ -766,6 +774,7 @@ class MpiGroup final : public ProcessGroup {
   std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>();
   MPI_Comm comm_ = MPI_COMM_NULL;
   bool half_wire_ = false;
+  std::vector<float> scratch_[2];  // see scratch()
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
