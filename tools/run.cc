@@ -55,7 +55,8 @@ Starts --nproc-per-node copies of PROGRAM on this node with torchrun's environme
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT) plus TANDEM_STORE_TOKEN, TANDEM_STORE_HOSTED=1 and
 TANDEM_NUM_THREADS/OMP_NUM_THREADS (kept when already set), and hosts the rendezvous store.
-Output lines are prefixed "[rank<N>]: ". When a worker fails the others are stopped, the failure
+Output lines are prefixed "[rank<N>]: "; workers read stdin from /dev/null and get SIGKILL if
+the launcher dies. When a worker fails the others are stopped, the failure
 is reported with the worker's last stderr lines, and the group restarts up to --max-restarts times.
 
 options (torchrun's underscore spellings and --opt=value also work):
@@ -72,6 +73,7 @@ options (torchrun's underscore spellings and --opt=value also work):
   --no-bind              do not bind each worker to its share of the allowed cores
   --stop-grace S         seconds between SIGTERM and SIGKILL when stopping workers [5]
   --rdzv-timeout S       seconds to wait for the other nodes (join, store connect) [900]
+  --heartbeat-timeout S  with --nnodes > 1: a node's launcher silent this long fails the job [30]
   --monitor-interval S   seconds between health checks [0.1]
   --no-python            accepted for torchrun compatibility (PROGRAM is always executed directly)
   -h, --help             this text
@@ -94,6 +96,7 @@ struct RunOptions {
   bool bind = true;
   double stop_grace_s = 5.0;
   double rdzv_timeout_s = 900.0;
+  double heartbeat_timeout_s = 30.0;
   double monitor_interval_s = 0.1;
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
@@ -153,7 +156,7 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
   // Flags that take a value, and those that do not (canonical dashed spellings).
   static const std::vector<std::string> kValued = {
       "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
-      "--max-restarts", "--log-dir", "--stop-grace", "--rdzv-timeout", "--monitor-interval"};
+      "--max-restarts", "--log-dir", "--stop-grace", "--rdzv-timeout", "--heartbeat-timeout", "--monitor-interval"};
   static const std::vector<std::string> kSwitches = {"--standalone", "--no-bind", "--no-python", "--tee", "--help"};
   int i = 1;
   for (; i < argc; ++i) {
@@ -247,6 +250,8 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
       o.stop_grace_s = parse_seconds(name, value, 0.0);
     } else if (name == "--rdzv-timeout") {
       o.rdzv_timeout_s = parse_seconds(name, value, 0.001);
+    } else if (name == "--heartbeat-timeout") {
+      o.heartbeat_timeout_s = parse_seconds(name, value, 0.1);
     } else if (name == "--monitor-interval") {
       o.monitor_interval_s = parse_seconds(name, value, 0.001);
     }
@@ -448,7 +453,7 @@ class Coordinator {
     if (o_.nnodes == 1) return std::nullopt;
     auto now = Clock::now();
     if (now >= next_heartbeat_) {
-      next_heartbeat_ = now + kHeartbeatPeriod;
+      next_heartbeat_ = now + std::min(milliseconds(1000), heartbeat_timeout() / 4);
       store_.add(fmt::format("/tandem_run/heartbeat_{}", o_.node_rank), 1);
       for (int64_t r = 0; r < o_.nnodes; ++r) {
         if (r == o_.node_rank) continue;
@@ -457,10 +462,11 @@ class Coordinator {
         if (beat != last) {
           last = beat;
           since = now;
-        } else if (now - since > kHeartbeatTimeout && !store_.check({fmt::format("/tandem_run/exit_{}", r)})) {
+        } else if (now - since > heartbeat_timeout() &&
+                   !store_.check({fmt::format("/tandem_run/exit_{}", r)})) {
           lost_node_ = true;
-          return fmt::format("the launcher of node {} stopped answering (no heartbeat for {} s)", r,
-                             std::chrono::duration_cast<std::chrono::seconds>(kHeartbeatTimeout).count());
+          return fmt::format("the launcher of node {} stopped answering (no heartbeat for {} s, --heartbeat-timeout)",
+                             r, o_.heartbeat_timeout_s);
         }
       }
     }
@@ -497,6 +503,7 @@ class Coordinator {
         store_.set(fmt::format("/tandem_run/exit_{}", o_.node_rank), "1");
         return;
       }
+      if (lost_node_) return;  // a vanished node will not say goodbye
       std::vector<std::string> keys;
       for (int64_t r = 1; r < o_.nnodes; ++r) keys.push_back(fmt::format("/tandem_run/exit_{}", r));
       auto deadline = Clock::now() + milliseconds(10000);
@@ -517,8 +524,7 @@ class Coordinator {
 
  private:
   milliseconds rdzv_timeout() const { return milliseconds(int64_t(o_.rdzv_timeout_s * 1000)); }
-  static constexpr milliseconds kHeartbeatPeriod{1000};
-  static constexpr milliseconds kHeartbeatTimeout{30000};
+  milliseconds heartbeat_timeout() const { return milliseconds(int64_t(o_.heartbeat_timeout_s * 1000)); }
 
   dist::TCPStore& store_;
   const RunOptions& o_;

@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -197,6 +198,7 @@ pid_t spawn(const GroupConfig& config, const WorkerSpec& spec, int out_w, int er
   std::string exec_failed = fmt::format("tandem run: cannot execute {}: errno ", config.program_path);
   std::string bind_failed = fmt::format("tandem run: rank {}: sched_setaffinity failed: errno ", spec.rank);
 
+  const pid_t launcher = getpid();
   // Signals stay blocked across fork so that the child never runs the launcher's handler.
   sigset_t all, previous;
   sigfillset(&all);
@@ -209,6 +211,9 @@ pid_t spawn(const GroupConfig& config, const WorkerSpec& spec, int out_w, int er
     for (int sig : kCaughtSignals) sigaction(sig, &dfl, nullptr);
     sigaction(SIGPIPE, &dfl, nullptr);
     setpgid(0, 0);
+    // A launcher that dies (even by SIGKILL) takes its workers along instead of orphaning them.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != launcher) _exit(127);  // it died before the prctl
     dup2(devnull, 0);
     dup2(out_w, 1);
     dup2(err_w, 2);

@@ -115,6 +115,22 @@ int run_step(const std::string& step, long rank, long attempt) {
     for (long r = 0; r < world; ++r) keys.push_back(prefix + "rank" + std::to_string(r));
     store.wait(keys, std::chrono::milliseconds(10000));
     put(1, "store ok world=" + std::to_string(store.add(prefix + "count", 1) > 0 ? world : -1) + "\n");
+  } else if (verb == "wrong-token") {
+    // The hosted store must refuse a client without the job's token.
+    tandem::dist::TCPStoreOptions o;
+    o.is_master = false;
+    o.timeout = std::chrono::milliseconds(2000);
+    o.token = "not-the-job-token";
+    try {
+      tandem::dist::TCPStore store(env_or("MASTER_ADDR", ""), uint16_t(std::atoi(env_or("MASTER_PORT", "0").c_str())),
+                                   o);
+      store.set("intruder", "1");
+      put(1, "wrong token accepted\n");
+    } catch (const tandem::dist::CommError&) {
+      put(1, "wrong token refused\n");
+    }
+  } else if (verb == "pid") {
+    put(1, "pid " + std::to_string(getpid()) + "\n");
   } else {
     put(2, "launch_probe: unknown step \"" + step + "\"\n");
     return 100;

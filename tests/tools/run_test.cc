@@ -90,11 +90,12 @@ class RunEnv : public ::testing::TestWithParam<int> {};
 
 TEST_P(RunEnv, EveryRankSeesTorchrunEnvTokenThreadsAndItsCoreShare) {
   const int nproc = GetParam();
-  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", std::to_string(nproc)}, {"env", "store"}),
+  ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", std::to_string(nproc)}, {"env", "store", "wrong-token"}),
                              launcher_env());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto env = worker_env(r.out);
   ASSERT_EQ(int(env.size()), nproc) << r.out;
+  for (int rank = 0; rank < nproc; ++rank) EXPECT_CONTAINS(r.out, fmt_rank(rank) + "wrong token refused");
   const std::vector<int> allowed = allowed_cpus();
   const int n = int(allowed.size());
   std::set<int> covered;
@@ -348,6 +349,42 @@ TEST(Run, ASecondSignalKillsWorkersThatIgnoreTheFirst) {
   EXPECT_LT(after, 3.0);
 }
 
+// Whether `pid` is gone (or a zombie nobody reaped yet).
+bool process_gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return true;
+  size_t close_paren = text.rfind(')');
+  return close_paren != std::string::npos && close_paren + 2 < text.size() && text[close_paren + 2] == 'Z';
+}
+
+std::vector<pid_t> worker_pids(const std::string& out) {
+  std::vector<pid_t> pids;
+  std::regex line(R"(\[rank\d+\]: pid (\d+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) pids.push_back(std::stoi((*it)[1]));
+  return pids;
+}
+
+bool all_gone_within(const std::vector<pid_t>& pids, double seconds) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (std::all_of(pids.begin(), pids.end(), process_gone)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+TEST(Run, WorkersDieWithAKilledLauncher) {
+  Subprocess p(cmd({"--standalone", "--nproc-per-node", "2"}, {"ignore-term", "pid", "out:ready", "sleep:30000"}),
+               launcher_env());
+  ASSERT_TRUE(p.wait_for_stdout("ready", 2, 15)) << p.out();
+  std::vector<pid_t> pids = worker_pids(p.out());
+  ASSERT_EQ(pids.size(), 2u) << p.out();
+  p.signal(SIGKILL);
+  p.wait(5);
+  EXPECT_TRUE(all_gone_within(pids, 5.0)) << "workers outlived their launcher";
+}
+
 // ---- bad arguments ----
 
 struct BadArgs {
@@ -464,6 +501,28 @@ TEST(Run, AFailureOnOneNodeRestartsBothNodes) {
   EXPECT_CONTAINS(r0.err, "restarting the worker group (restart 1 of --max-restarts 1)");
   EXPECT_EQ(worker_env(r0.out)[0]["TORCHELASTIC_RESTART_COUNT"], "1");
   EXPECT_CONTAINS(r1.out, "[rank1]: store ok world=2");
+}
+
+TEST(Run, ANodeWhoseLauncherDiesIsNamedByTheOthers) {
+  const std::string port = std::to_string(free_port());
+  auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
+  auto node = [&](int r) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
+                "--rdzv-timeout", "15", "--heartbeat-timeout", "1"},
+               {"pid", "out:ready", "sleep:30000", "out:woke"});
+  };
+  Subprocess n0(node(0), env);
+  Subprocess n1(node(1), env);
+  ASSERT_TRUE(n1.wait_for_stdout("ready", 1, 15)) << n1.out();
+  ASSERT_TRUE(n0.wait_for_stdout("ready", 1, 15)) << n0.out();
+  n1.signal(SIGKILL);
+  ProcResult r0 = n0.wait(20);
+  n1.wait(5);
+  EXPECT_EQ(r0.exit_code, 1) << r0.err;
+  EXPECT_LT(r0.seconds, 10.0);
+  EXPECT_CONTAINS(r0.err, "the launcher of node 1 stopped answering");
+  EXPECT_NOT_CONTAINS(r0.err, "restarting");
+  EXPECT_TRUE(all_gone_within(worker_pids(n1.out()), 5.0));
 }
 
 }  // namespace
