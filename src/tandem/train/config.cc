@@ -1,0 +1,525 @@
+// Config validation works from one table of every valid key (kSpecs): the walk over the user's
+// JSON checks each key against it, so a key added to the table is known, typed and range-checked
+// at once, and the "did you mean" suggestion searches the same table.
+#include "tandem/train/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <numbers>
+#include <sstream>
+
+#include <fmt/ranges.h>
+
+#include "tandem/core/error.h"
+
+namespace tandem::train {
+namespace {
+
+using nlohmann::json;
+
+enum class Kind { Int, Number, Bool, String, Enum, IntList, Betas, Object };
+
+struct Spec {
+  const char* path;
+  Kind kind;
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  std::vector<std::string> choices = {};
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Every leaf key. Objects are implied by the dotted prefixes. `scheduler.params` holds the union
+// of the three schedules' parameters.
+const std::vector<Spec>& specs() {
+  static const std::vector<Spec> s = {
+      {"train_batch_size", Kind::Int, 1, kInf},
+      {"train_micro_batch_size_per_gpu", Kind::Int, 1, kInf},
+      {"gradient_accumulation_steps", Kind::Int, 1, kInf},
+      {"gradient_clipping", Kind::Number, 0, kInf},
+      {"steps_per_print", Kind::Int, 1, kInf},
+      {"seed", Kind::Int, 0, 9007199254740992.0},
+      {"optimizer.type", Kind::Enum, 0, 0, {"SGD", "Adam", "AdamW"}},
+      {"optimizer.params.lr", Kind::Number, 0, kInf},
+      {"optimizer.params.betas", Kind::Betas},
+      {"optimizer.params.eps", Kind::Number, 0, kInf},
+      {"optimizer.params.weight_decay", Kind::Number, 0, kInf},
+      {"optimizer.params.momentum", Kind::Number, 0, 1},
+      {"optimizer.params.nesterov", Kind::Bool},
+      {"scheduler.type", Kind::Enum, 0, 0, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}},
+      {"scheduler.params.warmup_min_lr", Kind::Number, 0, kInf},
+      {"scheduler.params.warmup_max_lr", Kind::Number, 0, kInf},
+      {"scheduler.params.warmup_num_steps", Kind::Int, 0, kInf},
+      {"scheduler.params.warmup_type", Kind::Enum, 0, 0, {"log", "linear"}},
+      {"scheduler.params.total_num_steps", Kind::Int, 0, kInf},
+      {"scheduler.params.warmup_min_ratio", Kind::Number, 0, 1},
+      {"scheduler.params.cos_min_ratio", Kind::Number, 0, 1},
+      {"fp16.enabled", Kind::Bool},
+      {"fp16.loss_scale", Kind::Number, 0, kInf},
+      {"fp16.initial_scale_power", Kind::Int, 0, 100},
+      {"fp16.loss_scale_window", Kind::Int, 1, kInf},
+      {"fp16.hysteresis", Kind::Int, 1, kInf},
+      {"fp16.min_loss_scale", Kind::Number, 0, kInf},
+      {"bf16.enabled", Kind::Bool},
+      {"zero_optimization.stage", Kind::Int, 0, 3},
+      {"model.name", Kind::Enum, 0, 0, {"mlp", "cnn", "gpt", "resnet18"}},
+      {"model.hidden", Kind::IntList, 1, kInf},
+      {"model.num_classes", Kind::Int, 1, kInf},
+      {"model.vocab_size", Kind::Int, 1, kInf},
+      {"model.context", Kind::Int, 1, kInf},
+      {"model.n_layer", Kind::Int, 1, kInf},
+      {"model.d_model", Kind::Int, 1, kInf},
+      {"model.n_head", Kind::Int, 1, kInf},
+      {"data.name", Kind::Enum, 0, 0, {"fashion_mnist", "cifar10", "text", "tokens"}},
+      {"data.path", Kind::String},
+      {"data.num_workers", Kind::Int, 0, 256},
+      {"data.samples_per_epoch", Kind::Int, 0, kInf},
+      {"data.eval_samples", Kind::Int, 0, kInf},
+      {"train.steps", Kind::Int, 0, kInf},
+      {"train.epochs", Kind::Int, 0, kInf},
+      {"train.eval_every", Kind::Int, 0, kInf},
+      {"train.checkpoint_every", Kind::Int, 0, kInf},
+      {"train.keep_last", Kind::Int, 1, kInf},
+      {"train.threads", Kind::Int, 1, 1024},
+      {"amp.opt_level", Kind::Enum, 0, 0, {"", "O0", "O1", "O2", "O3"}},
+      {"dist.backend", Kind::Enum, 0, 0, {"shm", "gloo", "mpi", "nccl"}},
+      {"dist.timeout_s", Kind::Number, 0.001, kInf},
+      {"log.jsonl", Kind::Bool},
+      {"log.tensorboard", Kind::Bool},
+      {"log.progress", Kind::Enum, 0, 0, {"auto", "bar", "lines", "none"}},
+  };
+  return s;
+}
+
+const Spec* find_spec(const std::string& path) {
+  for (const Spec& s : specs()) {
+    if (path == s.path) return &s;
+  }
+  return nullptr;
+}
+
+bool is_object_path(const std::string& path) {
+  const std::string prefix = path + ".";
+  return std::any_of(specs().begin(), specs().end(),
+                     [&](const Spec& s) { return std::string(s.path).rfind(prefix, 0) == 0; });
+}
+
+// The valid names directly under `parent` ("" = top level).
+std::vector<std::string> children_of(const std::string& parent) {
+  std::vector<std::string> out;
+  const std::string prefix = parent.empty() ? "" : parent + ".";
+  for (const Spec& s : specs()) {
+    const std::string p = s.path;
+    if (p.rfind(prefix, 0) != 0) continue;
+    const std::string rest = p.substr(prefix.size());
+    const std::string name = rest.substr(0, rest.find('.'));
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
+}
+
+std::string join_path(const std::string& parent, const std::string& key) { return parent.empty() ? key : parent + "." + key; }
+
+// The nearest valid key to an unknown `parent.key`: a sibling within a few edits, else any key in
+// the table whose last component is within a few edits (a key put in the wrong section).
+std::string suggestion(const std::string& parent, const std::string& key) {
+  const auto close = [&](int64_t d) { return d <= std::max<int64_t>(2, static_cast<int64_t>(key.size()) / 3); };
+  std::string best;
+  int64_t best_d = std::numeric_limits<int64_t>::max();
+  for (const std::string& c : children_of(parent)) {
+    const int64_t d = edit_distance(key, c);
+    if (d < best_d) best_d = d, best = join_path(parent, c);
+  }
+  if (close(best_d)) return best;
+  std::string any;
+  int64_t any_d = std::numeric_limits<int64_t>::max();
+  for (const Spec& s : specs()) {
+    std::string p = s.path;
+    // Every component of the path, so "params" finds "optimizer.params".
+    size_t start = 0;
+    while (true) {
+      const size_t dot = p.find('.', start);
+      const std::string comp = p.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      const int64_t d = edit_distance(key, comp);
+      if (d < any_d) any_d = d, any = p.substr(0, dot);
+      if (dot == std::string::npos) break;
+      start = dot + 1;
+    }
+  }
+  if (close(any_d)) return any;
+  return best;  // nothing close: still name the nearest sibling
+}
+
+std::string kind_text(const Spec& s) {
+  const auto range = [&](const char* what) {
+    std::string t = what;
+    if (s.min > -kInf && s.max < kInf) return t + fmt::format(" in [{}, {}]", s.min, s.max);
+    if (s.min > -kInf) return t + fmt::format(" >= {}", s.min);
+    return t;
+  };
+  switch (s.kind) {
+    case Kind::Int: return range("an integer");
+    case Kind::Number: return range("a number");
+    case Kind::Bool: return "true or false";
+    case Kind::String: return "a string";
+    case Kind::Enum: {
+      std::string t = "one of";
+      for (size_t i = 0; i < s.choices.size(); ++i) t += fmt::format("{} \"{}\"", i ? "," : "", s.choices[i]);
+      return t;
+    }
+    case Kind::IntList: return "a non-empty list of integers >= 1";
+    case Kind::Betas: return "a list of two numbers in [0, 1)";
+    case Kind::Object: return "an object";
+  }
+  return "";
+}
+
+[[noreturn]] void bad_value(const std::string& path, const json& v, const Spec& s) {
+  throw ValueError(fmt::format("config: \"{}\" is {}, expected {}", path, v.dump(), kind_text(s)));
+}
+
+bool is_integer(const json& v) {
+  if (v.is_number_integer()) return true;
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    return std::isfinite(d) && d == std::floor(d);
+  }
+  return false;
+}
+
+void check_value(const std::string& path, const json& v, const Spec& s) {
+  switch (s.kind) {
+    case Kind::Int: {
+      if (!is_integer(v)) bad_value(path, v, s);
+      const double d = v.get<double>();
+      if (d < s.min || d > s.max) bad_value(path, v, s);
+      return;
+    }
+    case Kind::Number: {
+      if (!v.is_number()) bad_value(path, v, s);
+      const double d = v.get<double>();
+      if (!std::isfinite(d) || d < s.min || d > s.max) bad_value(path, v, s);
+      return;
+    }
+    case Kind::Bool:
+      if (!v.is_boolean()) bad_value(path, v, s);
+      return;
+    case Kind::String:
+      if (!v.is_string()) bad_value(path, v, s);
+      return;
+    case Kind::Enum:
+      if (!v.is_string() || std::find(s.choices.begin(), s.choices.end(), v.get<std::string>()) == s.choices.end()) {
+        bad_value(path, v, s);
+      }
+      return;
+    case Kind::IntList:
+      if (!v.is_array() || v.empty()) bad_value(path, v, s);
+      for (const json& e : v) {
+        if (!is_integer(e) || e.get<double>() < 1) bad_value(path, v, s);
+      }
+      return;
+    case Kind::Betas:
+      if (!v.is_array() || v.size() != 2) bad_value(path, v, s);
+      for (const json& e : v) {
+        if (!e.is_number() || !(e.get<double>() >= 0 && e.get<double>() < 1)) bad_value(path, v, s);
+      }
+      return;
+    case Kind::Object: return;
+  }
+}
+
+// Walks `j` (the object at `parent`), checking every key against the table.
+void validate(const json& j, const std::string& parent) {
+  if (!j.is_object()) {
+    throw ValueError(fmt::format("config: \"{}\" is {}, expected an object with keys: {}", parent.empty() ? "<top>" : parent,
+                                 j.dump(), fmt::join(children_of(parent), ", ")));
+  }
+  for (const auto& [key, value] : j.items()) {
+    const std::string path = join_path(parent, key);
+    if (value.is_null()) continue;  // null = not given
+    if (const Spec* s = find_spec(path)) {
+      check_value(path, value, *s);
+    } else if (is_object_path(path)) {
+      validate(value, path);
+    } else {
+      throw ValueError(fmt::format("config: unknown key \"{}\" (did you mean \"{}\"?)", path, suggestion(parent, key)));
+    }
+  }
+}
+
+// The value at a dotted path, or nullptr when absent or null.
+const json* at(const json& j, const std::string& path) {
+  const json* cur = &j;
+  size_t start = 0;
+  while (true) {
+    const size_t dot = path.find('.', start);
+    const std::string key = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (!cur->is_object()) return nullptr;
+    auto it = cur->find(key);
+    if (it == cur->end() || it->is_null()) return nullptr;
+    cur = &*it;
+    if (dot == std::string::npos) return cur;
+    start = dot + 1;
+  }
+}
+
+template <class T>
+void get(const json& j, const std::string& path, T& out) {
+  if (const json* v = at(j, path)) out = v->get<T>();
+}
+void get_int(const json& j, const std::string& path, int64_t& out) {
+  if (const json* v = at(j, path)) out = static_cast<int64_t>(v->get<double>());
+}
+
+// DeepSpeed's rule: train_batch_size = micro * accumulation * world_size; any two determine the
+// third, one alone takes accumulation 1.
+void resolve_batch(Config& c, const json& j) {
+  const json* tbs = at(j, "train_batch_size");
+  const json* mb = at(j, "train_micro_batch_size_per_gpu");
+  const json* gas = at(j, "gradient_accumulation_steps");
+  const int64_t w = c.world_size;
+  const auto num = [](const json* v) { return static_cast<int64_t>(v->get<double>()); };
+  if (tbs && mb && gas) {
+    c.train_batch_size = num(tbs), c.train_micro_batch_size_per_gpu = num(mb), c.gradient_accumulation_steps = num(gas);
+    TANDEM_CHECK(c.train_batch_size == c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w, ValueError,
+                 "config: inconsistent batch sizes: train_batch_size {} != train_micro_batch_size_per_gpu {} * "
+                 "gradient_accumulation_steps {} * world size {} = {}; drop one of the three keys to have it derived",
+                 c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, w,
+                 c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w);
+  } else if (tbs && mb) {
+    c.train_batch_size = num(tbs), c.train_micro_batch_size_per_gpu = num(mb);
+    TANDEM_CHECK(c.train_batch_size % (c.train_micro_batch_size_per_gpu * w) == 0, ValueError,
+                 "config: inconsistent batch sizes: train_batch_size {} is not a multiple of "
+                 "train_micro_batch_size_per_gpu {} * world size {} = {}",
+                 c.train_batch_size, c.train_micro_batch_size_per_gpu, w, c.train_micro_batch_size_per_gpu * w);
+    c.gradient_accumulation_steps = c.train_batch_size / (c.train_micro_batch_size_per_gpu * w);
+  } else if (tbs && gas) {
+    c.train_batch_size = num(tbs), c.gradient_accumulation_steps = num(gas);
+    TANDEM_CHECK(c.train_batch_size % (c.gradient_accumulation_steps * w) == 0, ValueError,
+                 "config: inconsistent batch sizes: train_batch_size {} is not a multiple of "
+                 "gradient_accumulation_steps {} * world size {} = {}",
+                 c.train_batch_size, c.gradient_accumulation_steps, w, c.gradient_accumulation_steps * w);
+    c.train_micro_batch_size_per_gpu = c.train_batch_size / (c.gradient_accumulation_steps * w);
+  } else if (mb) {
+    c.train_micro_batch_size_per_gpu = num(mb);
+    c.gradient_accumulation_steps = gas ? num(gas) : 1;
+    c.train_batch_size = c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w;
+  } else if (tbs) {
+    c.train_batch_size = num(tbs);
+    c.gradient_accumulation_steps = 1;
+    TANDEM_CHECK(c.train_batch_size % w == 0, ValueError,
+                 "config: inconsistent batch sizes: train_batch_size {} is not a multiple of world size {}; "
+                 "give train_micro_batch_size_per_gpu instead",
+                 c.train_batch_size, w);
+    c.train_micro_batch_size_per_gpu = c.train_batch_size / w;
+  } else {
+    throw ValueError(
+        "config: no batch size: give train_batch_size or train_micro_batch_size_per_gpu (or both, with "
+        "gradient_accumulation_steps)");
+  }
+}
+
+}  // namespace
+
+int64_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<int64_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = static_cast<int64_t>(j);
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = static_cast<int64_t>(i);
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+double SchedulerConfig::lr_at(int64_t step, double base, int64_t total) const {
+  if (type.empty()) return base;
+  const int64_t total_steps = total_num_steps > 0 ? total_num_steps : total;
+  const double s = static_cast<double>(step);
+  const double warm = static_cast<double>(warmup_num_steps);
+  // The warmup fraction in [0, 1) while step < warmup_num_steps.
+  const auto gamma = [&]() {
+    if (warmup_type == "log") return warmup_num_steps > 1 ? std::log(s + 1.0) / std::log(warm) : 1.0;
+    return s / warm;
+  };
+  if (type == "WarmupCosineLR") {
+    double ratio;
+    if (step < warmup_num_steps) {
+      ratio = warmup_min_ratio + (1.0 - warmup_min_ratio) * gamma();
+    } else {
+      const double span = std::max<double>(1.0, static_cast<double>(total_steps) - warm);
+      const double t = std::min(1.0, (s - warm) / span);
+      ratio = cos_min_ratio + (1.0 - cos_min_ratio) * 0.5 * (1.0 + std::cos(std::numbers::pi * t));
+    }
+    return base * ratio;
+  }
+  const double max_lr = warmup_max_lr >= 0 ? warmup_max_lr : base;
+  if (step < warmup_num_steps) return warmup_min_lr + (max_lr - warmup_min_lr) * gamma();
+  if (type == "WarmupDecayLR") {
+    const double span = std::max<double>(1.0, static_cast<double>(total_steps) - warm);
+    return max_lr * std::max(0.0, (static_cast<double>(total_steps) - s) / span);
+  }
+  return max_lr;
+}
+
+nlohmann::json default_config_json() {
+  return json::parse(R"({
+  "train_batch_size": 128,
+  "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+  "steps_per_print": 100,
+  "seed": 0,
+  "model": {"name": "mlp", "hidden": [1024, 1024]},
+  "data": {"name": "fashion_mnist"},
+  "train": {"epochs": 1, "keep_last": 2}
+})");
+}
+
+void apply_override(nlohmann::json& j, const std::string& assignment) {
+  const size_t eq = assignment.find('=');
+  TANDEM_CHECK(eq != std::string::npos && eq > 0, ValueError,
+               "--set \"{}\": expected key.path=value, e.g. --set optimizer.params.lr=0.01", assignment);
+  const std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
+  json value = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded()) value = text;  // a bare word: a string
+  json* cur = &j;
+  size_t start = 0;
+  while (true) {
+    const size_t dot = key.find('.', start);
+    const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    TANDEM_CHECK(!part.empty(), ValueError, "--set \"{}\": empty component in key \"{}\"", assignment, key);
+    if (!cur->is_object()) *cur = json::object();
+    if (dot == std::string::npos) {
+      (*cur)[part] = value;
+      return;
+    }
+    cur = &(*cur)[part];
+    start = dot + 1;
+  }
+}
+
+Config parse_config(const nlohmann::json& j, int world_size) {
+  TANDEM_CHECK(world_size >= 1, ValueError, "parse_config: world_size {} < 1", world_size);
+  validate(j, "");
+  Config c;
+  c.source = j;
+  c.world_size = world_size;
+  resolve_batch(c, j);
+  get(j, "gradient_clipping", c.gradient_clipping);
+  get_int(j, "steps_per_print", c.steps_per_print);
+  if (const json* v = at(j, "seed")) c.seed = static_cast<uint64_t>(v->get<double>());
+
+  OptimizerConfig& o = c.optimizer;
+  get(j, "optimizer.type", o.type);
+  if (o.type == "AdamW") o.weight_decay = 1e-2;  // PyTorch's AdamW default
+  get(j, "optimizer.params.lr", o.lr);
+  if (const json* v = at(j, "optimizer.params.betas")) o.betas = {(*v)[0].get<double>(), (*v)[1].get<double>()};
+  get(j, "optimizer.params.eps", o.eps);
+  get(j, "optimizer.params.weight_decay", o.weight_decay);
+  get(j, "optimizer.params.momentum", o.momentum);
+  get(j, "optimizer.params.nesterov", o.nesterov);
+  TANDEM_CHECK(o.type == "SGD" || (!at(j, "optimizer.params.momentum") && !at(j, "optimizer.params.nesterov")),
+               ValueError, "config: \"optimizer.params.momentum\"/\"nesterov\" apply to SGD only, optimizer.type is \"{}\"",
+               o.type);
+  TANDEM_CHECK(o.type != "SGD" || !at(j, "optimizer.params.betas"), ValueError,
+               "config: \"optimizer.params.betas\" applies to Adam/AdamW only, optimizer.type is \"SGD\"");
+
+  SchedulerConfig& s = c.scheduler;
+  get(j, "scheduler.type", s.type);
+  TANDEM_CHECK(!s.type.empty() || !at(j, "scheduler.params"), ValueError,
+               "config: \"scheduler.params\" given without \"scheduler.type\" (one of WarmupLR, WarmupDecayLR, WarmupCosineLR)");
+  get(j, "scheduler.params.warmup_min_lr", s.warmup_min_lr);
+  get(j, "scheduler.params.warmup_max_lr", s.warmup_max_lr);
+  get_int(j, "scheduler.params.warmup_num_steps", s.warmup_num_steps);
+  get(j, "scheduler.params.warmup_type", s.warmup_type);
+  get_int(j, "scheduler.params.total_num_steps", s.total_num_steps);
+  get(j, "scheduler.params.warmup_min_ratio", s.warmup_min_ratio);
+  get(j, "scheduler.params.cos_min_ratio", s.cos_min_ratio);
+
+  Fp16Config& f = c.fp16;
+  get(j, "fp16.enabled", f.enabled);
+  get(j, "fp16.loss_scale", f.loss_scale);
+  if (const json* v = at(j, "fp16.initial_scale_power")) f.initial_scale_power = static_cast<int>(v->get<double>());
+  get_int(j, "fp16.loss_scale_window", f.loss_scale_window);
+  get_int(j, "fp16.hysteresis", f.hysteresis);
+  get(j, "fp16.min_loss_scale", f.min_loss_scale);
+  get(j, "bf16.enabled", c.bf16);
+  TANDEM_CHECK(!(f.enabled && c.bf16), ValueError,
+               "config: \"fp16.enabled\" and \"bf16.enabled\" are both true; enable one precision (or neither for fp32)");
+
+  get_int(j, "zero_optimization.stage", c.zero_stage);
+  TANDEM_CHECK(c.zero_stage == 0, ValueError,
+               "config: \"zero_optimization.stage\" is {}: ZeRO stages 1-3 are not implemented yet; use stage 0 (plain DDP)",
+               c.zero_stage);
+
+  ModelConfig& m = c.model;
+  get(j, "model.name", m.name);
+  if (const json* v = at(j, "model.hidden")) {
+    m.hidden.clear();
+    for (const json& e : *v) m.hidden.push_back(static_cast<int64_t>(e.get<double>()));
+  }
+  get_int(j, "model.num_classes", m.num_classes);
+  get_int(j, "model.vocab_size", m.vocab_size);
+  get_int(j, "model.context", m.context);
+  get_int(j, "model.n_layer", m.n_layer);
+  get_int(j, "model.d_model", m.d_model);
+  get_int(j, "model.n_head", m.n_head);
+  TANDEM_CHECK(m.d_model % m.n_head == 0, ValueError, "config: \"model.d_model\" {} is not a multiple of \"model.n_head\" {}",
+               m.d_model, m.n_head);
+
+  DataConfig& d = c.data;
+  get(j, "data.name", d.name);
+  get(j, "data.path", d.path);
+  get_int(j, "data.num_workers", d.num_workers);
+  get_int(j, "data.samples_per_epoch", d.samples_per_epoch);
+  get_int(j, "data.eval_samples", d.eval_samples);
+  const bool text_data = d.name == "text" || d.name == "tokens";
+  TANDEM_CHECK(text_data == (m.name == "gpt"), ValueError,
+               "config: model \"{}\" does not fit data \"{}\" (gpt trains on text or tokens; mlp, cnn and resnet18 on "
+               "fashion_mnist or cifar10)",
+               m.name, d.name);
+  TANDEM_CHECK(d.name != "tokens" || !d.path.empty(), ValueError, "config: data \"tokens\" needs \"data.path\" (a uint16 token file)");
+
+  TrainLoopConfig& t = c.train;
+  get_int(j, "train.steps", t.steps);
+  get_int(j, "train.epochs", t.epochs);
+  get_int(j, "train.eval_every", t.eval_every);
+  get_int(j, "train.checkpoint_every", t.checkpoint_every);
+  get_int(j, "train.keep_last", t.keep_last);
+  get_int(j, "train.threads", t.threads);
+  TANDEM_CHECK(t.steps > 0 || t.epochs > 0, ValueError, "config: \"train.steps\" and \"train.epochs\" are both 0; give one");
+
+  get(j, "amp.opt_level", c.opt_level);
+  TANDEM_CHECK(c.opt_level.empty() || c.opt_level == "O0" || f.enabled || c.bf16, ValueError,
+               "config: \"amp.opt_level\" {} needs a low precision: set \"bf16.enabled\" or \"fp16.enabled\"", c.opt_level);
+  get(j, "dist.backend", c.dist.backend);
+  get(j, "dist.timeout_s", c.dist.timeout_s);
+  get(j, "log.jsonl", c.log.jsonl);
+  get(j, "log.tensorboard", c.log.tensorboard);
+  get(j, "log.progress", c.log.progress);
+  return c;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides, int world_size) {
+  json j;
+  if (path.empty()) {
+    j = default_config_json();
+  } else {
+    std::ifstream f(path);
+    TANDEM_CHECK(f.good(), IOError, "config: cannot read \"{}\"", path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    try {
+      j = json::parse(ss.str(), nullptr, true, /*ignore_comments=*/true);
+    } catch (const json::parse_error& e) {
+      throw IOError(fmt::format("config: \"{}\" is not valid JSON: {}", path, e.what()));
+    }
+  }
+  for (const std::string& o : overrides) apply_override(j, o);
+  return parse_config(j, world_size);
+}
+
+}  // namespace tandem::train

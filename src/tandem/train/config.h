@@ -1,0 +1,144 @@
+// The `tandem train` configuration: a JSON file with DeepSpeed's keys where DeepSpeed has one
+// (train_batch_size, optimizer, scheduler, fp16, bf16, zero_optimization, ...) plus Tandem's own
+// sections (model, data, train, amp, dist, log). Invariant: a Config only exists validated —
+// every key known, every value of the right type and range, the batch triple consistent with the
+// world size — so the trainer never re-checks a value.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace tandem::train {
+
+struct OptimizerConfig {
+  std::string type = "SGD";  // SGD | Adam | AdamW
+  double lr = 1e-3;
+  std::array<double, 2> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // AdamW without the key: PyTorch's 1e-2
+  double momentum = 0.0;      // SGD only
+  bool nesterov = false;      // SGD only
+};
+
+// DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py), stepped once per optimizer step:
+//   WarmupLR:       lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps
+//                   (warmup_type "log": min + (max - min) * log(step + 1) / log(warmup_num_steps);
+//                   "linear": proportional to step), then stays at warmup_max_lr.
+//   WarmupDecayLR:  WarmupLR, then linear decay to 0 at total_num_steps.
+//   WarmupCosineLR: ratio of the optimizer's lr: warmup from warmup_min_ratio to 1 over
+//                   warmup_num_steps, then cosine down to cos_min_ratio at total_num_steps.
+struct SchedulerConfig {
+  std::string type;  // "" = constant lr
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = -1.0;  // < 0: the optimizer's lr
+  int64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log";  // log | linear
+  int64_t total_num_steps = 0;      // 0: the run's total steps
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 1e-4;
+  // The lr after `step` optimizer steps, for an optimizer lr `base` and a run of `total` steps.
+  double lr_at(int64_t step, double base, int64_t total) const;
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;  // 0: dynamic; > 0: static scale
+  int initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  double min_loss_scale = 1.0;
+};
+
+struct ModelConfig {
+  std::string name = "mlp";  // mlp | cnn | gpt | resnet18
+  std::vector<int64_t> hidden = {1024, 1024};  // mlp
+  int64_t num_classes = 10;                     // mlp, cnn, resnet18
+  int64_t vocab_size = 256, context = 128, n_layer = 4, d_model = 256, n_head = 4;  // gpt
+};
+
+struct DataConfig {
+  std::string name = "fashion_mnist";  // fashion_mnist | cifar10 | text | tokens
+  std::string path;                    // "" = the dataset's default location
+  int64_t num_workers = 0;             // DataLoader threads
+  int64_t samples_per_epoch = 0;       // text/tokens: windows per epoch (0 = disjoint windows)
+  int64_t eval_samples = 0;            // held-out examples evaluated (0 = all; text: 64 windows)
+};
+
+struct TrainLoopConfig {
+  int64_t steps = 0;   // optimizer steps; 0 = epochs * steps per epoch
+  int64_t epochs = 1;
+  int64_t eval_every = 0;        // 0: only at the end
+  int64_t checkpoint_every = 0;  // 0: only at the end
+  int64_t keep_last = 3;
+  int64_t threads = 1;
+};
+
+struct DistConfig {
+  std::string backend = "shm";  // shm | gloo | mpi | nccl
+  double timeout_s = 300;
+};
+
+struct LogConfig {
+  bool jsonl = true;
+  bool tensorboard = true;
+  std::string progress = "auto";  // auto (bar on a TTY, lines otherwise) | bar | lines | none
+};
+
+struct Config {
+  // ---- DeepSpeed's keys ----
+  int64_t train_batch_size = 0;  // = micro * accumulation * world_size after resolution
+  int64_t train_micro_batch_size_per_gpu = 0;
+  int64_t gradient_accumulation_steps = 0;
+  double gradient_clipping = 0.0;  // 0: off
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  Fp16Config fp16;
+  bool bf16 = false;
+  int64_t zero_stage = 0;
+  int64_t steps_per_print = 10;
+  uint64_t seed = 0;
+  // ---- Tandem's ----
+  ModelConfig model;
+  DataConfig data;
+  TrainLoopConfig train;
+  std::string opt_level;  // amp.opt_level: "" (autocast + GradScaler) or O0..O3
+  DistConfig dist;
+  LogConfig log;
+  // The validated JSON this was built from (saved in checkpoints), and the world size the batch
+  // triple was resolved for.
+  nlohmann::json source;
+  int world_size = 1;
+};
+
+// The embedded default: W1 (784-1024-1024-10 MLP, SGD momentum 0.9, lr 0.05, batch 128, one
+// epoch) on Fashion-MNIST, fp32, one thread.
+nlohmann::json default_config_json();
+
+// Applies one `--set key.path=value` to `j`: value is parsed as JSON when it is valid JSON
+// (numbers, true/false, [..], "..") and taken as a string otherwise; missing objects on the path
+// are created. Throws ValueError for a malformed override (no '=', empty key) naming it. The key
+// itself is checked later by parse_config, like a key from the file.
+void apply_override(nlohmann::json& j, const std::string& assignment);
+
+// Validates `j` and builds the Config for `world_size` processes. Throws ValueError:
+//  * unknown key: `config: unknown key "optimizer.parms" (did you mean "optimizer.params"?)`;
+//  * wrong type or range: names the key, the value and what is expected;
+//  * fp16.enabled and bf16.enabled both true;
+//  * zero_optimization.stage 1-3: not implemented yet;
+//  * an inconsistent batch triple, showing the arithmetic
+//    (train_batch_size 100 != micro 16 * accumulation 2 * world size 2 = 64).
+Config parse_config(const nlohmann::json& j, int world_size = 1);
+
+// Reads `path` (or the embedded default when empty), applies `overrides` in order, validates.
+// Throws IOError for an unreadable file or invalid JSON (naming the path and the parser's
+// message), ValueError as parse_config.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides, int world_size = 1);
+
+// Levenshtein distance (exposed for tests).
+int64_t edit_distance(const std::string& a, const std::string& b);
+
+}  // namespace tandem::train

@@ -1,0 +1,274 @@
+// tandem train's config: DeepSpeed keys, the batch triple, overrides, and every error message
+// naming the key, the value and the fix.
+#include "tandem/train/config.h"
+
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "tandem/core/error.h"
+#include "util/test_util.h"
+
+namespace tandem::train {
+namespace {
+
+using nlohmann::json;
+
+// The message of the ValueError `fn` throws ("" when it throws nothing or something else).
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const ValueError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+json base() { return json::parse(R"({"train_batch_size": 32, "model": {"name": "mlp"}, "data": {"name": "fashion_mnist"}})"); }
+
+TEST(Config, DefaultIsW1) {
+  const Config c = parse_config(default_config_json());
+  EXPECT_EQ(c.model.name, "mlp");
+  EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{1024, 1024}));
+  EXPECT_EQ(c.data.name, "fashion_mnist");
+  EXPECT_EQ(c.train_batch_size, 128);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 128);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.optimizer.type, "SGD");
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.05);
+  EXPECT_DOUBLE_EQ(c.optimizer.momentum, 0.9);
+  EXPECT_EQ(c.train.epochs, 1);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_FALSE(c.bf16);
+}
+
+TEST(Config, ReadsDeepSpeedKeys) {
+  const json j = json::parse(R"({
+    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0, "steps_per_print": 5, "seed": 7,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}},
+    "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+             "hysteresis": 3, "min_loss_scale": 4},
+    "bf16": {"enabled": false}, "zero_optimization": {"stage": 0},
+    "model": {"name": "gpt", "n_layer": 2, "d_model": 64, "n_head": 2, "context": 32},
+    "data": {"name": "text", "samples_per_epoch": 100},
+    "train": {"steps": 20, "eval_every": 5, "checkpoint_every": 10, "keep_last": 2},
+    "amp": {"opt_level": "O2"}, "dist": {"backend": "gloo", "timeout_s": 30},
+    "log": {"jsonl": true, "tensorboard": false}})");
+  const Config c = parse_config(j, 2);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_DOUBLE_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.seed, 7u);
+  EXPECT_EQ(c.optimizer.type, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.betas[0], 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.betas[1], 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.1);
+  EXPECT_EQ(c.scheduler.type, "WarmupCosineLR");
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 10);
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_EQ(c.fp16.initial_scale_power, 12);
+  EXPECT_EQ(c.fp16.loss_scale_window, 500);
+  EXPECT_EQ(c.fp16.hysteresis, 3);
+  EXPECT_DOUBLE_EQ(c.fp16.min_loss_scale, 4);
+  EXPECT_EQ(c.model.n_layer, 2);
+  EXPECT_EQ(c.train.steps, 20);
+  EXPECT_EQ(c.opt_level, "O2");
+  EXPECT_EQ(c.dist.backend, "gloo");
+  EXPECT_FALSE(c.log.tensorboard);
+}
+
+TEST(Config, AdamWDefaultsToTorchWeightDecay) {
+  json j = base();
+  j["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}};
+  EXPECT_DOUBLE_EQ(parse_config(j).optimizer.weight_decay, 1e-2);
+}
+
+TEST(Config, BatchTripleDerivesTheMissingOne) {
+  json j = base();
+  j["train_micro_batch_size_per_gpu"] = 4;
+  Config c = parse_config(j, 2);  // 32 = 4 * gas * 2
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  j.erase("train_micro_batch_size_per_gpu");
+  j["gradient_accumulation_steps"] = 2;
+  c = parse_config(j, 4);  // 32 = micro * 2 * 4
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  j.erase("train_batch_size");
+  j["train_micro_batch_size_per_gpu"] = 3;
+  c = parse_config(j, 3);
+  EXPECT_EQ(c.train_batch_size, 18);
+  j = base();
+  c = parse_config(j, 4);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+}
+
+TEST(Config, InconsistentBatchTripleShowsTheArithmetic) {
+  json j = base();
+  j["train_batch_size"] = 100;
+  j["train_micro_batch_size_per_gpu"] = 16;
+  j["gradient_accumulation_steps"] = 2;
+  const std::string msg = error_of([&] { parse_config(j, 2); });
+  EXPECT_NE(msg.find("train_batch_size 100 != train_micro_batch_size_per_gpu 16 * gradient_accumulation_steps 2 * "
+                     "world size 2 = 64"),
+            std::string::npos)
+      << msg;
+  j.erase("gradient_accumulation_steps");
+  EXPECT_NE(error_of([&] { parse_config(j, 3); }).find("not a multiple of train_micro_batch_size_per_gpu 16 * world size 3 = 48"),
+            std::string::npos);
+  j = base();
+  EXPECT_NE(error_of([&] { parse_config(j, 3); }).find("train_batch_size 32 is not a multiple of world size 3"),
+            std::string::npos);
+  j.erase("train_batch_size");
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("no batch size"), std::string::npos);
+}
+
+TEST(Config, UnknownKeyNamesTheNearestValidKey) {
+  json j = base();
+  j["zero_optimisation"] = {{"stage", 0}};
+  EXPECT_EQ(error_of([&] { parse_config(j); }),
+            "config: unknown key \"zero_optimisation\" (did you mean \"zero_optimization\"?)");
+  j = base();
+  j["optimizer"] = {{"type", "SGD"}, {"parms", {{"lr", 0.1}}}};
+  EXPECT_EQ(error_of([&] { parse_config(j); }), "config: unknown key \"optimizer.parms\" (did you mean \"optimizer.params\"?)");
+  j = base();
+  j["optimizer"] = {{"type", "SGD"}, {"params", {{"learning_rate", 0.1}}}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("unknown key \"optimizer.params.learning_rate\""), std::string::npos);
+  j = base();
+  j["train"] = {{"stpes", 3}};
+  EXPECT_EQ(error_of([&] { parse_config(j); }), "config: unknown key \"train.stpes\" (did you mean \"train.steps\"?)");
+  // A key in the wrong section: the nearest key anywhere.
+  j = base();
+  j["keep_last"] = 2;
+  EXPECT_EQ(error_of([&] { parse_config(j); }), "config: unknown key \"keep_last\" (did you mean \"train.keep_last\"?)");
+}
+
+TEST(Config, WrongTypeOrRangeNamesKeyValueAndExpectation) {
+  const auto err = [](const char* path, json v) {
+    json j = base();
+    apply_override(j, std::string(path) + "=" + v.dump());
+    return error_of([&] { parse_config(j); });
+  };
+  EXPECT_EQ(err("train_batch_size", "big"), "config: \"train_batch_size\" is \"big\", expected an integer >= 1");
+  EXPECT_EQ(err("train_batch_size", 0), "config: \"train_batch_size\" is 0, expected an integer >= 1");
+  EXPECT_EQ(err("train_batch_size", 2.5), "config: \"train_batch_size\" is 2.5, expected an integer >= 1");
+  EXPECT_EQ(err("optimizer.params.lr", -1), "config: \"optimizer.params.lr\" is -1, expected a number >= 0");
+  EXPECT_EQ(err("optimizer.params.momentum", 1.5), "config: \"optimizer.params.momentum\" is 1.5, expected a number in [0, 1]");
+  EXPECT_EQ(err("optimizer.type", "Lamb"), "config: \"optimizer.type\" is \"Lamb\", expected one of \"SGD\", \"Adam\", \"AdamW\"");
+  EXPECT_EQ(err("fp16.enabled", "yes"), "config: \"fp16.enabled\" is \"yes\", expected true or false");
+  EXPECT_EQ(err("optimizer.params.betas", json::array({0.9})),
+            "config: \"optimizer.params.betas\" is [0.9], expected a list of two numbers in [0, 1)");
+  EXPECT_EQ(err("model.hidden", json::array({64, 0})), "config: \"model.hidden\" is [64,0], expected a non-empty list of integers >= 1");
+  EXPECT_EQ(err("zero_optimization.stage", 4), "config: \"zero_optimization.stage\" is 4, expected an integer in [0, 3]");
+  EXPECT_EQ(err("model", 3), "config: \"model\" is 3, expected an object with keys: name, hidden, num_classes, vocab_size, "
+                             "context, n_layer, d_model, n_head");
+}
+
+TEST(Config, Fp16AndBf16TogetherIsAnError) {
+  json j = base();
+  j["fp16"] = {{"enabled", true}};
+  j["bf16"] = {{"enabled", true}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"fp16.enabled\" and \"bf16.enabled\" are both true"), std::string::npos);
+}
+
+TEST(Config, ZeroStagesAboveZeroAreNotImplementedYet) {
+  json j = base();
+  j["zero_optimization"] = {{"stage", 2}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"zero_optimization.stage\" is 2: ZeRO stages 1-3 are not implemented yet"),
+            std::string::npos);
+}
+
+TEST(Config, CrossFieldChecks) {
+  json j = base();
+  j["model"]["name"] = "gpt";
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("model \"gpt\" does not fit data \"fashion_mnist\""), std::string::npos);
+  j = base();
+  j["optimizer"] = {{"type", "Adam"}, {"params", {{"momentum", 0.9}}}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("apply to SGD only"), std::string::npos);
+  j = base();
+  j["amp"] = {{"opt_level", "O2"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("needs a low precision"), std::string::npos);
+  j = base();
+  j["train"] = {{"steps", 0}, {"epochs", 0}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("both 0"), std::string::npos);
+}
+
+TEST(Config, OverridesParseJsonOrStrings) {
+  json j = base();
+  apply_override(j, "optimizer.params.lr=0.25");
+  apply_override(j, "model.hidden=[16,8]");
+  apply_override(j, "data.path=/tmp/x y");
+  apply_override(j, "log.tensorboard=false");
+  const Config c = parse_config(j);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.25);
+  EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{16, 8}));
+  EXPECT_EQ(c.data.path, "/tmp/x y");
+  EXPECT_FALSE(c.log.tensorboard);
+  EXPECT_NE(error_of([&] { apply_override(j, "novalue"); }).find("expected key.path=value"), std::string::npos);
+  EXPECT_NE(error_of([&] { apply_override(j, "a..b=1"); }).find("empty component"), std::string::npos);
+  // A typo in --set is caught like one in the file.
+  apply_override(j, "optimizer.params.lrr=1");
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("did you mean \"optimizer.params.lr\""), std::string::npos);
+}
+
+TEST(Config, LoadConfigReadsFileAndReportsBadJson) {
+  tandem::testing::TempDir dir;
+  const std::string good = dir.path() + "/good.json", bad = dir.path() + "/bad.json";
+  std::ofstream(good) << base().dump();
+  std::ofstream(bad) << "{\"train_batch_size\": ";
+  const Config c = load_config(good, {"train_batch_size=64"});
+  EXPECT_EQ(c.train_batch_size, 64);
+  EXPECT_THROW(load_config(bad, {}), IOError);
+  EXPECT_THROW(load_config(dir.path() + "/missing.json", {}), IOError);
+  EXPECT_EQ(load_config("", {}).model.hidden.size(), 2u);
+}
+
+TEST(Config, ShippedConfigsParse) {
+  for (const char* model : {"mlp", "cnn", "gpt"}) {
+    for (const char* precision : {"fp32", "bf16", "fp16"}) {
+      const std::string name = std::string(model) + "_" + precision + ".json";
+      SCOPED_TRACE(name);
+      const Config c = load_config(std::string(TANDEM_SOURCE_DIR) + "/configs/" + name, {}, 1);
+      EXPECT_EQ(c.model.name, model);
+      EXPECT_EQ(c.bf16, std::string(precision) == "bf16");
+      EXPECT_EQ(c.fp16.enabled, std::string(precision) == "fp16");
+    }
+  }
+}
+
+TEST(Config, DeepSpeedSchedules) {
+  SchedulerConfig s;
+  s.type = "WarmupLR";
+  s.warmup_min_lr = 0.0;
+  s.warmup_max_lr = 0.1;
+  s.warmup_num_steps = 10;
+  s.warmup_type = "linear";
+  EXPECT_DOUBLE_EQ(s.lr_at(0, 1.0, 100), 0.0);
+  EXPECT_DOUBLE_EQ(s.lr_at(5, 1.0, 100), 0.05);
+  EXPECT_DOUBLE_EQ(s.lr_at(50, 1.0, 100), 0.1);
+  s.warmup_type = "log";
+  EXPECT_NEAR(s.lr_at(4, 1.0, 100), 0.1 * std::log(5.0) / std::log(10.0), 1e-15);
+  s.type = "WarmupDecayLR";
+  s.warmup_type = "linear";
+  EXPECT_DOUBLE_EQ(s.lr_at(55, 1.0, 100), 0.05);  // halfway from step 10 to 100
+  EXPECT_DOUBLE_EQ(s.lr_at(100, 1.0, 100), 0.0);
+  s.type = "WarmupCosineLR";
+  s.warmup_min_ratio = 0.0;
+  s.cos_min_ratio = 0.1;
+  EXPECT_DOUBLE_EQ(s.lr_at(10, 2.0, 110), 2.0);
+  EXPECT_NEAR(s.lr_at(60, 2.0, 110), 2.0 * (0.1 + 0.9 * 0.5), 1e-12);
+  EXPECT_NEAR(s.lr_at(110, 2.0, 110), 0.2, 1e-12);
+  SchedulerConfig none;
+  EXPECT_DOUBLE_EQ(none.lr_at(7, 0.3, 10), 0.3);
+}
+
+TEST(Config, EditDistance) {
+  EXPECT_EQ(edit_distance("kitten", "sitting"), 3);
+  EXPECT_EQ(edit_distance("", "abc"), 3);
+  EXPECT_EQ(edit_distance("same", "same"), 0);
+}
+
+}  // namespace
+}  // namespace tandem::train
