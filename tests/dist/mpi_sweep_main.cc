@@ -78,6 +78,27 @@ int run_mpi(bool large) {
     small.counts = {0, 1, 149};
     log_report("even subgroup", rank, run_collective_sweep(*sub, small));
   }
+  // The public path: init_process_group("mpi") on the same store, then new_group of the odd
+  // world ranks (every rank calls it; the even ones get null).
+  InitOptions io;
+  io.backend = "mpi";
+  io.store = store;
+  io.rank = rank;
+  io.world_size = size;
+  io.timeout = std::chrono::seconds(60);
+  auto pg = init_process_group(io);
+  SweepOptions small;
+  small.dtypes = {DType::f16, DType::i32};
+  small.counts = {1, 149};
+  log_report("init_process_group(mpi)", rank, run_collective_sweep(*pg, small));
+  std::vector<int> odds;
+  for (int r = 1; r < size; r += 2) odds.push_back(r);
+  if (!odds.empty()) {
+    auto sub = new_group(odds, std::chrono::seconds(60));
+    if ((sub != nullptr) != (rank % 2 == 1)) throw std::runtime_error("new_group: membership is wrong");
+    if (sub) log_report("new_group(odd ranks)", rank, run_collective_sweep(*sub, small));
+  }
+  destroy_process_group();
   world->barrier()->wait();  // rank 0 keeps the store alive until everyone is done with it
   return 0;
 }
