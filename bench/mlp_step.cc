@@ -6,7 +6,8 @@
 // them side by side.
 //
 //   mlp_step_bench [--threads T] [--batch B] [--seconds S] [--min-steps N] [--warmup W]
-//                  [--only mlp|gemm] [--dtype f32|bf16] [--phases]
+//                  [--only mlp|gemm] [--dtype f32|bf16|autocast] [--phases]
+// "autocast": the plain mlp() under amp::autocast(bf16) (issue #5) instead of the hand-built copy.
 //
 // --phases (or TANDEM_BENCH_PHASES=1) adds one line per dtype splitting the step into
 // zero_grad / forward / loss / backward / optimizer process CPU time, plus allocator calls per step, and
@@ -42,7 +43,7 @@ Args parse(int argc, char** argv) {
   Args a;
   td::bench::parse_args(argc, argv, a,
                         "mlp_step_bench [--threads T] [--batch B] [--seconds S] [--min-steps N] [--warmup W] "
-                        "[--only mlp|gemm] [--dtype f32|bf16] [--phases]",
+                        "[--only mlp|gemm] [--dtype f32|bf16|autocast] [--phases]",
                         [&](const std::string& k, auto& value) {
                           if (k == "--batch") a.batch = std::stoll(value());
                           else if (k == "--only") a.only = value();
@@ -50,7 +51,8 @@ Args parse(int argc, char** argv) {
                           return true;
                         });
   TANDEM_CHECK(a.only.empty() || a.only == "mlp" || a.only == "gemm", td::ValueError, "--only must be mlp or gemm");
-  TANDEM_CHECK(a.dtype.empty() || a.dtype == "f32" || a.dtype == "bf16", td::ValueError, "--dtype must be f32 or bf16");
+  TANDEM_CHECK(a.dtype.empty() || a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "autocast", td::ValueError,
+               "--dtype must be f32, bf16 or autocast");
   TANDEM_CHECK(a.threads >= 1 && a.batch >= 1 && a.min_steps >= 1 && a.warmup >= 0, td::ValueError,
                "--threads, --batch, --min-steps must be >= 1 and --warmup >= 0");
   return a;
@@ -96,8 +98,11 @@ void bench_mlp(const Args& a, const std::string& dtype) {
     ys.push_back(td::randint(0, 10, {a.batch}));
   }
   size_t next = 0;
-  const bool is_bf16 = dtype == "bf16";
-  auto forward = [&](const td::Tensor& in) { return is_bf16 ? bf16(in) : (*model)(in); };
+  const bool is_bf16 = dtype == "bf16", is_autocast = dtype == "autocast";
+  auto forward = [&](const td::Tensor& in) {
+    td::amp::autocast ac({.dtype = td::kBFloat16, .enabled = is_autocast});
+    return is_bf16 ? bf16(in) : (*model)(in);
+  };
 
   auto step = [&] { return td::bench::train_step(xs, ys, next, opt, forward); };
   const Timing tm = time_loop(a, [&] { step(); });

@@ -5,7 +5,10 @@
 // loss). One JSON object per line on stdout; bench/torch_models_step.py prints the same lines for
 // PyTorch and bench/run_models_bench.sh puts them side by side.
 //
-//   models_step_bench [--workload cnn|gpt] [--dtype f32|bf16] [--threads T] [--batch B]
+// "autocast" runs the plain model under amp::autocast(bf16) (issue #5): the policy table decides
+// at op entry, parameters cast once per step through the weight cast cache.
+//
+//   models_step_bench [--workload cnn|gpt] [--dtype f32|bf16|autocast] [--threads T] [--batch B]
 //                     [--context T] [--seconds S] [--min-steps N] [--warmup W] [--phases]
 //
 //   cnn: nn::models::cnn() (3x [Conv3x3, BatchNorm2d, ReLU], mean over H, W, Linear(128, 10)),
@@ -63,7 +66,7 @@ struct Args : td::bench::CommonArgs {
 Args parse(int argc, char** argv) {
   Args a;
   td::bench::parse_args(argc, argv, a,
-                        "models_step_bench [--workload cnn|gpt] [--dtype f32|bf16] [--threads T] [--batch B] "
+                        "models_step_bench [--workload cnn|gpt] [--dtype f32|bf16|autocast] [--threads T] [--batch B] "
                         "[--context T] [--seconds S] [--min-steps N] [--warmup W] [--phases]",
                         [&](const std::string& k, auto& value) {
                           if (k == "--batch") a.batch = std::stoll(value());
@@ -74,7 +77,8 @@ Args parse(int argc, char** argv) {
                         });
   TANDEM_CHECK(a.workload.empty() || a.workload == "cnn" || a.workload == "gpt", td::ValueError,
                "--workload must be cnn or gpt");
-  TANDEM_CHECK(a.dtype.empty() || a.dtype == "f32" || a.dtype == "bf16", td::ValueError, "--dtype must be f32 or bf16");
+  TANDEM_CHECK(a.dtype.empty() || a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "autocast", td::ValueError,
+               "--dtype must be f32, bf16 or autocast");
   TANDEM_CHECK(a.threads >= 1 && a.batch >= 0 && a.context >= 1 && a.min_steps >= 1 && a.warmup >= 0, td::ValueError,
                "--threads, --context, --min-steps must be >= 1, --batch and --warmup >= 0");
   return a;
@@ -190,6 +194,10 @@ void bench_cnn(const Args& a, const std::string& dtype) {
   }
   w.pool_bytes = static_cast<double>(td::current_allocated_bytes() - before);
   if (dtype == "bf16") w.forward = [m = model](const td::Tensor& x) { return cnn_forward_bf16(*m, x); };
+  else if (dtype == "autocast") w.forward = [m = model](const td::Tensor& x) {
+    td::amp::autocast ac(td::kBFloat16);
+    return (*m)(x);
+  };
   else w.forward = [m = model](const td::Tensor& x) { return (*m)(x); };
   run(a, w, dtype);
 }
@@ -217,6 +225,11 @@ void bench_gpt(const Args& a, const std::string& dtype) {
   const int64_t V = go.vocab_size;
   if (dtype == "bf16") {
     w.forward = [m = model, V](const td::Tensor& x) { return gpt_forward_bf16(*m, x).view({-1, V}); };
+  } else if (dtype == "autocast") {
+    w.forward = [m = model, V](const td::Tensor& x) {
+      td::amp::autocast ac(td::kBFloat16);
+      return (*m)(x).view({-1, V});
+    };
   } else {
     w.forward = [m = model, V](const td::Tensor& x) { return (*m)(x).view({-1, V}); };
   }

@@ -5,7 +5,7 @@ Runs with a PyTorch from PyPI (bench/run_mlp_bench.sh passes --torch-python, def
 /work/torchvenv/bin/python). Never used by tests or CI.
 
   torch_mlp_step.py [--threads T] [--batch B] [--seconds S] [--min-steps N] [--warmup W]
-                    [--only mlp|gemm] [--dtype f32|bf16] [--phases]
+                    [--only mlp|gemm] [--dtype f32|bf16|autocast] [--phases]
 
 mlp_step: zero_grad, forward, cross_entropy, backward, SGD(lr 0.05, momentum 0.9) step of
 nn.Sequential(Flatten, Linear(784,1024), ReLU, Linear(1024,1024), ReLU, Linear(1024,10)) at
@@ -33,7 +33,7 @@ def parse():
     p.add_argument("--min-steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--only", choices=["mlp", "gemm"])
-    p.add_argument("--dtype", choices=["f32", "bf16"])
+    p.add_argument("--dtype", choices=["f32", "bf16", "autocast"])
     p.add_argument("--phases", action="store_true",
                    help="also split the step into phases and time each GEMM of the step on its own")
     return p.parse_args()
@@ -57,7 +57,7 @@ def bench_mlp(args, dtype):
     xs = [torch.randn(args.batch, 784) for _ in range(POOL_BATCHES)]
     ys = [torch.randint(0, 10, (args.batch,)) for _ in range(POOL_BATCHES)]
     state = {"next": 0}
-    bf16 = dtype == "bf16"
+    bf16 = dtype in ("bf16", "autocast")  # "autocast": the name Tandem's amp::autocast runs use
 
     def step():
         i = state["next"] % POOL_BATCHES

@@ -4,7 +4,7 @@
 Runs with a PyTorch from PyPI (bench/run_models_bench.sh passes --torch-python, default
 /work/torchvenv/bin/python). Never used by tests or CI.
 
-  torch_models_step.py [--workload cnn|gpt] [--dtype f32|bf16] [--threads T] [--batch B]
+  torch_models_step.py [--workload cnn|gpt] [--dtype f32|bf16|autocast] [--threads T] [--batch B]
                        [--context T] [--seconds S] [--min-steps N] [--warmup W] [--phases]
 
 cnn_step: zero_grad, forward, cross_entropy, backward, AdamW(lr 1e-3) step of the W2 CNN
@@ -42,7 +42,7 @@ MIB = 1024.0 * 1024.0
 def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["cnn", "gpt"])
-    p.add_argument("--dtype", choices=["f32", "bf16"])
+    p.add_argument("--dtype", choices=["f32", "bf16", "autocast"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=0, help="0: the workload's default (cnn 64, gpt 8)")
     p.add_argument("--context", type=int, default=128)
@@ -165,7 +165,7 @@ def flat_cross_entropy(logits, y):
 
 def run(args, name, unit, model, opt, xs, ys, items, batch, context, dtype):
     state = {"next": 0}
-    bf16 = dtype == "bf16"
+    bf16 = dtype in ("bf16", "autocast")  # "autocast": the name Tandem's amp::autocast runs use
 
     def forward_loss(i):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

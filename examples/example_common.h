@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -18,12 +19,12 @@ namespace examples {
 // --name value flags with defaults; unknown flags and non-numbers are errors naming them.
 class Flags {
  public:
-  Flags(int argc, char** argv, std::map<std::string, std::string> defaults, const char* usage)
+  Flags(int argc, char** argv, std::map<std::string, std::string> defaults, const std::string& usage)
       : values_(std::move(defaults)) {
     for (int i = 1; i < argc; ++i) {
       const std::string k = argv[i];
       if (k == "--help" || k == "-h") {
-        std::printf("usage: %s\n", usage);
+        std::printf("usage: %s\n", usage.c_str());
         std::exit(0);
       }
       if (k.rfind("--", 0) != 0 || !values_.count(k.substr(2))) {
@@ -80,6 +81,72 @@ inline void write_summary(const std::string& path, const nlohmann::json& j) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw tandem::IOError(fmt::format("cannot rename {} to {}", tmp, path));
 }
 
+// --precision fp32|bf16|f16|auto and --opt-level O0..O3 (usage text: kPrecisionUsage). Without
+// an opt level, bf16 trains under autocast and f16 under autocast with a GradScaler; with one,
+// amp::initialize sets the model and optimizer up (f32 masters at O2) and scale_loss scales.
+inline constexpr const char* kPrecisionUsage = "[--precision fp32|bf16|f16|auto] [--opt-level O0|O1|O2|O3]";
+
+class Precision {
+ public:
+  Precision(const Flags& flags, tandem::nn::Module& model, tandem::optim::Optimizer& opt)
+      : name_(flags.str("precision")), opt_level_(flags.str("opt-level")) {
+    namespace td = tandem;
+    dtype_ = td::amp::parse_precision(name_);
+    if (!opt_level_.empty()) {
+      // O1..O3 need a low-precision dtype; with --precision fp32 they take the CPU's best.
+      const td::DType low = dtype_ == td::kFloat32 ? td::amp::auto_precision() : dtype_;
+      amp_ = td::amp::initialize(model, opt, {.opt_level = opt_level_, .dtype = low});
+      dtype_ = amp_->opt_level() == td::amp::OptLevel::O0 ? td::kFloat32 : low;
+    } else if (td::amp::needs_grad_scaler(dtype_)) {
+      scaler_ = std::make_unique<td::amp::GradScaler>();
+    }
+  }
+  // The guard the forward pass (training and evaluation) runs under.
+  tandem::amp::autocast forward_guard() const {
+    if (amp_) return amp_->forward_autocast();
+    const bool low = dtype_ != tandem::kFloat32;
+    return tandem::amp::autocast({.dtype = low ? dtype_ : tandem::kBFloat16, .enabled = low});
+  }
+  tandem::Tensor input(const tandem::Tensor& x) const { return amp_ ? amp_->cast_input(x) : x; }
+  // backward + optimizer step, scaled as the setup requires; returns whether it stepped.
+  bool backward_step(const tandem::Tensor& loss, tandem::optim::Optimizer& opt) {
+    if (amp_) {
+      bool overflow;
+      {
+        auto scaled = tandem::amp::scale_loss(loss, opt);
+        scaled.backward();
+        overflow = scaled.finish();
+      }
+      opt.step();  // a no-op after an overflow
+      return !overflow;
+    }
+    if (scaler_) {
+      scaler_->scale(loss).backward();
+      const bool stepped = scaler_->step(opt);
+      scaler_->update();
+      return stepped;
+    }
+    loss.backward();
+    opt.step();
+    return true;
+  }
+  std::string describe() const {
+    std::string s = std::string(tandem::dtype_name(dtype_));
+    if (amp_) s += " amp " + opt_level_;
+    if (scaler_) s += " + GradScaler";
+    return s;
+  }
+  const std::string& name() const { return name_; }
+  const std::string& opt_level() const { return opt_level_; }
+  double loss_scale() const { return amp_ ? amp_->get_scale() : scaler_ ? scaler_->get_scale() : 1.0; }
+
+ private:
+  std::string name_, opt_level_;
+  tandem::DType dtype_ = tandem::kFloat32;
+  std::unique_ptr<tandem::amp::Amp> amp_;
+  std::unique_ptr<tandem::amp::GradScaler> scaler_;
+};
+
 // Fashion-MNIST images (N, 28, 28) u8 -> f32 normalised with the training set's mean and std.
 inline tandem::Tensor normalise_fashion(const tandem::Tensor& images) {
   tandem::Tensor x = images.to(tandem::kFloat32);
@@ -94,7 +161,7 @@ struct ClassifierResult {
   int64_t steps = 0;
 };
 
-inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::optim::Optimizer& opt,
+inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::optim::Optimizer& opt, Precision& precision,
                                          const tandem::Tensor& x_train, const tandem::Tensor& y_train,
                                          const tandem::Tensor& x_test, const tandem::Tensor& y_test, int64_t epochs,
                                          int64_t batch_size, uint64_t seed) {
@@ -111,9 +178,12 @@ inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::opti
       const td::Tensor x = td::ops::index_select(x_train, 0, idx);
       const td::Tensor y = td::ops::index_select(y_train, 0, idx);
       opt.zero_grad();
-      td::Tensor loss = td::ops::cross_entropy(model(x), y);
-      loss.backward();
-      opt.step();
+      td::Tensor loss;
+      {
+        auto autocast = precision.forward_guard();
+        loss = td::ops::cross_entropy(model(precision.input(x)), y);
+      }
+      precision.backward_step(loss, opt);
       seen += idx.numel();
       if (++r.steps % 100 == 0) {
         std::printf("epoch %lld step %lld loss %.4f\n", static_cast<long long>(epoch), static_cast<long long>(r.steps),
@@ -128,9 +198,10 @@ inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::opti
   int64_t correct = 0;
   {
     td::NoGradGuard no_grad;
+    auto autocast = precision.forward_guard();
     for (int64_t start = 0; start < x_test.size(0); start += 500) {
       const int64_t len = std::min<int64_t>(500, x_test.size(0) - start);
-      const td::Tensor logits = model(x_test.narrow(0, start, len));
+      const td::Tensor logits = model(precision.input(x_test.narrow(0, start, len)));
       correct += td::ops::count_equal(td::ops::argmax(logits, 1), y_test.narrow(0, start, len));
     }
   }
@@ -140,13 +211,14 @@ inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::opti
 
 // Prints and writes the summary every classifier example reports.
 inline void report_classifier(const ClassifierResult& r, const std::string& summary_path, int64_t epochs,
-                              int64_t batch_size, int threads) {
+                              int64_t batch_size, int threads, const Precision& precision) {
   const int64_t peak = tandem::peak_allocated_bytes();
-  std::printf("test_accuracy %.4f  samples_per_s %.1f  peak_bytes %lld  train_seconds %.2f\n", r.test_accuracy,
-              r.samples_per_s, static_cast<long long>(peak), r.train_seconds);
+  std::printf("test_accuracy %.4f  samples_per_s %.1f  peak_bytes %lld  train_seconds %.2f  precision %s\n",
+              r.test_accuracy, r.samples_per_s, static_cast<long long>(peak), r.train_seconds, precision.describe().c_str());
   write_summary(summary_path, {{"test_accuracy", r.test_accuracy}, {"samples_per_s", r.samples_per_s},
                                {"peak_bytes", peak}, {"train_seconds", r.train_seconds}, {"epochs", epochs},
-                               {"batch_size", batch_size}, {"threads", threads}, {"steps", r.steps}});
+                               {"batch_size", batch_size}, {"threads", threads}, {"steps", r.steps},
+                               {"precision", precision.describe()}, {"loss_scale", precision.loss_scale()}});
 }
 
 }  // namespace examples

@@ -10,9 +10,10 @@ namespace td = tandem;
 int main(int argc, char** argv) try {
   const examples::Flags flags(argc, argv,
                               {{"epochs", "1"}, {"batch-size", "64"}, {"lr", "1e-3"}, {"weight-decay", "0.01"},
-                               {"threads", "1"}, {"seed", "0"}, {"data-dir", ""}, {"summary-json", ""}, {"normalize", "1"}},
+                               {"threads", "1"}, {"seed", "0"}, {"data-dir", ""}, {"summary-json", ""}, {"precision", "fp32"}, {"opt-level", ""}, {"normalize", "1"}},
                               "fashion_mnist_cnn [--epochs N] [--batch-size B] [--lr LR] [--weight-decay WD] "
-                              "[--threads T] [--seed S] [--data-dir DIR] [--normalize 0|1] [--summary-json PATH]");
+                              "[--threads T] [--seed S] [--data-dir DIR] [--normalize 0|1] [--summary-json PATH] " +
+                                  std::string(examples::kPrecisionUsage));
   const int64_t epochs = flags.integer("epochs", 1), batch_size = flags.integer("batch-size", 1);
   const int threads = static_cast<int>(flags.integer("threads", 1));
   const uint64_t seed = static_cast<uint64_t>(flags.integer("seed"));
@@ -34,11 +35,12 @@ int main(int argc, char** argv) try {
 
   auto model = td::nn::models::cnn();
   td::optim::AdamW opt(model->parameters(), {.lr = flags.num("lr"), .weight_decay = flags.num("weight-decay")});
+  examples::Precision precision(flags, *model, opt);
   td::reset_peak_allocated_bytes();
 
   const examples::ClassifierResult r =
-      examples::train_classifier(*model, opt, x_train, train.labels, x_test, test.labels, epochs, batch_size, seed);
-  examples::report_classifier(r, flags.str("summary-json"), epochs, batch_size, threads);
+      examples::train_classifier(*model, opt, precision, x_train, train.labels, x_test, test.labels, epochs, batch_size, seed);
+  examples::report_classifier(r, flags.str("summary-json"), epochs, batch_size, threads, precision);
   return 0;
 } catch (const std::exception& e) {
   return tandem::report(e);

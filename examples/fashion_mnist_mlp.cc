@@ -9,9 +9,10 @@ namespace td = tandem;
 int main(int argc, char** argv) try {
   const examples::Flags flags(argc, argv,
                               {{"epochs", "1"}, {"batch-size", "128"}, {"lr", "0.05"}, {"momentum", "0.9"},
-                               {"threads", "1"}, {"seed", "0"}, {"data-dir", ""}, {"summary-json", ""}},
+                               {"threads", "1"}, {"seed", "0"}, {"data-dir", ""}, {"summary-json", ""}, {"precision", "fp32"}, {"opt-level", ""}},
                               "fashion_mnist_mlp [--epochs N] [--batch-size B] [--lr LR] [--momentum M] [--threads T] "
-                              "[--seed S] [--data-dir DIR] [--summary-json PATH]");
+                              "[--seed S] [--data-dir DIR] [--summary-json PATH] " +
+                                  std::string(examples::kPrecisionUsage));
   const int64_t epochs = flags.integer("epochs", 1), batch_size = flags.integer("batch-size", 1);
   const int threads = static_cast<int>(flags.integer("threads", 1));
   const uint64_t seed = static_cast<uint64_t>(flags.integer("seed"));
@@ -29,11 +30,12 @@ int main(int argc, char** argv) try {
 
   auto model = td::nn::models::mlp();
   td::optim::SGD opt(model->parameters(), {.lr = flags.num("lr"), .momentum = flags.num("momentum")});
+  examples::Precision precision(flags, *model, opt);
   td::reset_peak_allocated_bytes();
 
   const examples::ClassifierResult r =
-      examples::train_classifier(*model, opt, x_train, train.labels, x_test, test.labels, epochs, batch_size, seed);
-  examples::report_classifier(r, flags.str("summary-json"), epochs, batch_size, threads);
+      examples::train_classifier(*model, opt, precision, x_train, train.labels, x_test, test.labels, epochs, batch_size, seed);
+  examples::report_classifier(r, flags.str("summary-json"), epochs, batch_size, threads, precision);
   return 0;
 } catch (const std::exception& e) {
   return tandem::report(e);

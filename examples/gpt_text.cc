@@ -17,9 +17,10 @@ int main(int argc, char** argv) try {
   const examples::Flags flags(argc, argv,
                               {{"steps", "300"}, {"batch-size", "8"}, {"context", "128"}, {"lr", "3e-4"},
                                {"threads", "1"}, {"seed", "0"}, {"corpus", td::data::TextBytes::kDefaultCorpus},
-                               {"log-every", "25"}, {"sample", "0"}, {"summary-json", ""}},
+                               {"log-every", "25"}, {"sample", "0"}, {"summary-json", ""}, {"precision", "fp32"}, {"opt-level", ""}},
                               "gpt_text [--steps N] [--batch-size B] [--context T] [--lr LR] [--threads T] [--seed S] "
-                              "[--corpus PATH] [--log-every K] [--sample N] [--summary-json PATH]");
+                              "[--corpus PATH] [--log-every K] [--sample N] [--summary-json PATH] " +
+                                  std::string(examples::kPrecisionUsage));
   const int64_t steps = flags.integer("steps", 1), batch_size = flags.integer("batch-size", 1);
   const int64_t context = flags.integer("context", 1), log_every = flags.integer("log-every", 1);
   const int threads = static_cast<int>(flags.integer("threads", 1));
@@ -36,7 +37,9 @@ int main(int argc, char** argv) try {
 
   auto model = td::nn::models::gpt({.context = context});
   td::optim::AdamW opt(model->parameters(), {.lr = flags.num("lr")});
-  std::printf("gpt: %lld parameters\n", static_cast<long long>(model->num_parameters()));
+  examples::Precision precision(flags, *model, opt);
+  std::printf("gpt: %lld parameters; precision %s\n", static_cast<long long>(model->num_parameters()),
+              precision.describe().c_str());
   td::reset_peak_allocated_bytes();
 
   // ---- train ----
@@ -47,10 +50,13 @@ int main(int argc, char** argv) try {
     const td::Tensor& x = batch[0];  // (B, T) int64 bytes
     const td::Tensor& y = batch[1];  // (B, T) the next bytes
     opt.zero_grad();
-    const td::Tensor logits = (*model)(x);  // (B, T, 256)
-    td::Tensor loss = td::ops::cross_entropy(logits.view({-1, logits.size(-1)}), y.reshape({-1}));
-    loss.backward();
-    opt.step();
+    td::Tensor loss;
+    {
+      auto autocast = precision.forward_guard();
+      const td::Tensor logits = (*model)(x);  // (B, T, 256)
+      loss = td::ops::cross_entropy(logits.view({-1, logits.size(-1)}), y.reshape({-1}));
+    }
+    precision.backward_step(loss, opt);
     last.push_back(loss.item());
     if (last.size() > 50) last.pop_front();
     if (++step % log_every == 0 || step == steps) {
@@ -72,6 +78,7 @@ int main(int argc, char** argv) try {
     td::Tensor idx = td::empty({1, static_cast<int64_t>(prompt.size())}, td::kInt64);
     for (size_t i = 0; i < prompt.size(); ++i) idx.data_ptr<int64_t>()[i] = static_cast<unsigned char>(prompt[i]);
     td::Generator gen(seed + 1);
+    auto autocast = precision.forward_guard();
     const td::Tensor out = model->generate(idx, n, 1.0, &gen);
     std::string text;
     for (int64_t i = 0; i < out.size(1); ++i) text += static_cast<char>(out.data_ptr<int64_t>()[i]);
@@ -80,7 +87,8 @@ int main(int argc, char** argv) try {
   examples::write_summary(flags.str("summary-json"),
                           {{"final_loss", final_loss}, {"tokens_per_s", tokens_per_s}, {"peak_bytes", peak},
                            {"train_seconds", seconds}, {"steps", step}, {"batch_size", batch_size},
-                           {"context", context}, {"threads", threads}});
+                           {"context", context}, {"threads", threads},
+                           {"precision", precision.describe()}, {"loss_scale", precision.loss_scale()}});
   return 0;
 } catch (const std::exception& e) {
   return tandem::report(e);

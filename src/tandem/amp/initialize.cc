@@ -179,11 +179,12 @@ Amp::~Amp() {
 }
 
 autocast Amp::forward_autocast() const {
-  return autocast(AutocastOptions{.dtype = dtype_, .enabled = level_ == OptLevel::O1 || level_ == OptLevel::O2});
+  return autocast(AutocastOptions{.dtype = dtype_, .enabled = level_ == OptLevel::O1});
 }
 
 Tensor Amp::cast_input(const Tensor& x) const {
-  if (level_ == OptLevel::O3 && is_floating(x.dtype()) && x.dtype() != dtype_) return x.to(dtype_);
+  const bool low = level_ == OptLevel::O2 || level_ == OptLevel::O3;
+  if (low && is_floating(x.dtype()) && x.dtype() != dtype_) return x.to(dtype_);
   return x;
 }
 

@@ -39,10 +39,12 @@ class Amp {
   OptLevel opt_level() const { return level_; }
   DType dtype() const { return dtype_; }
   bool master_weights() const { return master_; }
-  // The autocast guard the forward pass runs under: enabled at O1/O2 (O2: norm layers in f32 meet
-  // low-precision weights through the policy table), disabled at O0/O3.
+  // The autocast guard the forward pass runs under: enabled at O1 only. At O2/O3 the model itself
+  // is low precision (Apex casts the input, not each function): ops take bf16/f16 activations,
+  // and the f32 normalisation parameters kept at O2 meet them inside the norm ops, which compute
+  // statistics in f32 and return the input's dtype.
   autocast forward_autocast() const;
-  // The model input in the model's dtype: cast to the low-precision dtype at O3, else unchanged.
+  // The model input in the model's dtype: cast to the low-precision dtype at O2/O3, else unchanged.
   Tensor cast_input(const Tensor& x) const;
 
   // Scales `loss` by the current scale (see ScaledLoss).
