@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "collective_sweep.h"
 #include "tandem/dist/backends.h"
 #include "tandem/dist/process_group.h"
 #include "tandem/dist/spawn.h"
@@ -224,6 +225,20 @@ TEST(Spawn, EnvInitAllReduceAcrossProcessesAndSubgroups) {
     barrier();
     destroy_process_group();
   }, spawn_options());
+}
+
+// The backend-agnostic sweep (tests/dist/collective_sweep.h, written for the mpi backend) over
+// shm ranks that are real processes: a second, independent reference implementation.
+TEST(Spawn, SharedCollectiveSweepOnShmProcesses) {
+  for (int n : {2, 4}) {
+    spawn(n, [](int) {
+      InitOptions o;
+      o.timeout = 30s;
+      init_process_group(o);
+      testing::run_collective_sweep(*default_group());
+      destroy_process_group();
+    }, spawn_options(120s));
+  }
 }
 
 TEST(Spawn, FileInitMethod) {
