@@ -1,0 +1,143 @@
+// ddp_step_bench: DDP training throughput of W1/W2/W3 on N local ranks over the shm backend, one
+// thread and one core per rank — the Tandem side of bench/run_ddp_bench.sh (PyTorch's side is
+// bench/torch_ddp_step.py with gloo DDP). Rank 0 prints one JSON line:
+//   {"impl":"tandem","workload":..,"dtype":..,"nproc":N,"samples_per_s":..,"step_ms":..,"cpu_step_ms":..}
+// samples_per_s counts the global batch (N x per-rank batch) per step; W3 also reports tokens_per_s.
+#include <sched.h>
+
+#include <cstdio>
+
+#include "bench_common.h"
+#include "tandem/amp/autocast.h"
+#include "tandem/dist/spawn.h"
+#include "tandem/parallel/ddp.h"
+
+namespace td = tandem;
+using td::Tensor;
+
+namespace {
+
+struct Args : td::bench::CommonArgs {
+  std::string workload = "w1";
+  int nproc = 1;
+  int64_t batch = 0;  // per rank; 0: the workload's default (w1 128, w2 64, w3 8)
+};
+
+void bind_to_core(int rank) {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+  std::vector<int> cores;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) cores.push_back(c);
+  }
+  if (cores.empty()) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cores[static_cast<size_t>(rank) % cores.size()], &one);
+  sched_setaffinity(0, sizeof(one), &one);
+}
+
+void run_rank(const Args& a) {
+  auto group = td::dist::init_process_group({.backend = "shm"});
+  bind_to_core(group->rank());
+  td::manual_seed(0);
+  std::shared_ptr<td::nn::Module> model;
+  std::unique_ptr<td::optim::Optimizer> opt;
+  std::vector<Tensor> xs, ys;
+  td::Generator gen(100 + group->rank());
+  const bool gpt = a.workload == "w3";
+  int64_t B = a.batch;
+  if (a.workload == "w1") {
+    B = B ? B : 128;
+    model = td::nn::models::mlp();
+  } else if (a.workload == "w2") {
+    B = B ? B : 64;
+    model = td::nn::models::cnn();
+  } else if (gpt) {
+    B = B ? B : 8;
+    model = td::nn::models::gpt();
+  } else {
+    throw td::ValueError(fmt::format("--workload must be w1, w2 or w3, got '{}'", a.workload));
+  }
+  for (int i = 0; i < 8; ++i) {
+    if (gpt) {
+      Tensor t = td::randint(0, 256, {B, 129}, &gen);
+      xs.push_back(t.narrow(1, 0, 128).contiguous());
+      ys.push_back(t.narrow(1, 1, 128).contiguous().reshape({-1}));
+    } else {
+      xs.push_back(td::randn({B, 1, 28, 28}, td::kFloat32, &gen));
+      ys.push_back(td::randint(0, 10, {B}, &gen));
+    }
+  }
+  td::parallel::DistributedDataParallel ddp(model, group);
+  if (a.workload == "w1") {
+    opt = std::make_unique<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  } else {
+    opt = std::make_unique<td::optim::AdamW>(model->parameters(), td::optim::AdamOptions{.lr = 1e-3});
+  }
+  const bool bf16 = a.dtype == "bf16";
+  size_t next = 0;
+  auto step = [&] {
+    const Tensor& x = xs[next % xs.size()];
+    const Tensor& y = ys[next % ys.size()];
+    ++next;
+    opt->zero_grad();
+    Tensor loss;
+    {
+      td::amp::autocast cast({.dtype = td::kBFloat16, .enabled = bf16});
+      Tensor out = ddp(x);
+      loss = td::ops::cross_entropy(gpt ? out.view({-1, out.size(-1)}) : out, y);
+    }
+    loss.backward();
+    opt->step();
+  };
+  // Warm up, then agree on a step count (rank 0's estimate) so every rank runs the same steps.
+  for (int64_t i = 0; i < std::max<int64_t>(a.warmup, 3); ++i) step();
+  const auto w0 = td::bench::Clock::now();
+  for (int i = 0; i < 3; ++i) step();
+  const double per_step = td::bench::seconds_since(w0) / 3;
+  Tensor steps = td::tensor(std::vector<int64_t>{std::max<int64_t>(a.min_steps, static_cast<int64_t>(a.seconds / per_step))}, {1});
+  group->broadcast(steps, 0)->wait();
+  const int64_t n = steps.data_ptr<int64_t>()[0];
+  group->barrier()->wait();
+  const double c0 = td::bench::process_cpu_seconds();
+  const auto t0 = td::bench::Clock::now();
+  for (int64_t i = 0; i < n; ++i) step();
+  group->barrier()->wait();
+  const double wall = td::bench::seconds_since(t0), cpu = td::bench::process_cpu_seconds() - c0;
+  if (group->rank() == 0) {
+    const double samples = static_cast<double>(n * B * group->size());
+    std::printf(
+        "{\"impl\":\"tandem\",\"workload\":\"%s\",\"dtype\":\"%s\",\"nproc\":%d,\"per_rank_batch\":%lld,\"steps\":%lld,"
+        "\"samples_per_s\":%.2f,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"cpu_step_ms\":%.3f}\n",
+        a.workload.c_str(), bf16 ? "bf16" : "f32", group->size(), static_cast<long long>(B), static_cast<long long>(n),
+        samples / wall, gpt ? samples * 128 / wall : 0.0, 1e3 * wall / n, 1e3 * cpu / n);
+    std::fflush(stdout);
+  }
+  td::dist::destroy_process_group();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Args a;
+  a.dtype = "f32";
+  a.min_steps = 10;
+  td::bench::parse_args(argc, argv, a,
+                        "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
+                        "[--seconds S] [--min-steps N] [--warmup W]",
+                        [&](const std::string& k, auto value) {
+                          if (k == "--workload") a.workload = value();
+                          else if (k == "--nproc") a.nproc = std::stoi(value());
+                          else if (k == "--batch") a.batch = std::stoll(value());
+                          else return false;
+                          return true;
+                        });
+  td::dist::SpawnOptions so;
+  so.env["TANDEM_NUM_THREADS"] = "1";
+  so.env["OMP_NUM_THREADS"] = "1";
+  td::dist::spawn(a.nproc, [&](int) { run_rank(a); }, so);
+  return 0;
+} catch (const std::exception& e) {
+  return td::report(e);
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Tandem DDP (shm backend) vs PyTorch DDP (gloo), side by side in one run: W1, W2, W3 x f32 and
+# bf16 (autocast) x 1 and 2 processes, one thread and one core per process. Prints a table:
+# global samples/s (tokens/s for W3), the Tandem/PyTorch ratio and each side's 2p/1p scaling.
+#
+#   bench/run_ddp_bench.sh [--torch-python PY] [--build-dir DIR] [--seconds S] [--rounds R]
+#                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild]
+#
+# Each configuration runs R times per side, alternating, keeping each side's best. The PyTorch
+# here is only a yardstick (PyPI's torch in a venv outside the repo): tests and CI never use it.
+set -euo pipefail
+
+bench_name=run_ddp_bench.sh
+# shellcheck source=bench/bench_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/bench_common.sh"
+bench_defaults
+rounds=1
+workloads=(w1 w2 w3)
+dtypes=(f32 bf16)
+nprocs=(1 2)
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --torch-python) torch_python="$2"; shift 2 ;;
+    --build-dir) build_dir="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --seconds) seconds="$2"; shift 2 ;;
+    --workload) workloads=("$2"); shift 2 ;;
+    --dtype) dtypes=("$2"); shift 2 ;;
+    --nprocs) read -r -a nprocs <<<"$2"; shift 2 ;;
+    --rebuild) rebuild=1; shift ;;
+    -h|--help) sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run_ddp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+bench_check_torch
+bench_build ddp_step_bench
+bench_env
+bench_print_machine 1
+echo "command: for W in ${workloads[*]}; for D in ${dtypes[*]}; for N in ${nprocs[*]}: $bench_bin --workload \$W --dtype \$D --nproc \$N --seconds $seconds; $torch_python bench/torch_ddp_step.py --workload \$W --dtype \$D --nproc \$N --seconds $seconds; x$rounds rounds"
+echo
+
+out="$(mktemp)"
+trap 'rm -f "$out"' EXIT
+for ((r = 1; r <= rounds; ++r)); do
+  for w in "${workloads[@]}"; do
+    for d in "${dtypes[@]}"; do
+      for n in "${nprocs[@]}"; do
+        echo "round $r/$rounds: $w $d ${n}p tandem ..." >&2
+        "$bench_bin" --workload "$w" --dtype "$d" --nproc "$n" --seconds "$seconds" >>"$out"
+        echo "round $r/$rounds: $w $d ${n}p torch ..." >&2
+        "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$w" --dtype "$d" --nproc "$n" \
+          --seconds "$seconds" >>"$out" 2>/dev/null
+      done
+    done
+  done
+done
+
+python3 - "$out" <<'PY'
+import json, sys
+best = {}
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if not line.startswith("{"):
+        continue
+    d = json.loads(line)
+    key = (d["workload"], d["dtype"], d["nproc"], d["impl"])
+    if key not in best or d["samples_per_s"] > best[key]["samples_per_s"]:
+        best[key] = d
+names = {"w1": "W1 MLP", "w2": "W2 CNN", "w3": "W3 GPT"}
+print(f"{'workload':8} {'dtype':5} {'procs':>5} {'Tandem':>12} {'PyTorch':>12} {'ratio':>6} {'T 2p/1p':>8} {'P 2p/1p':>8}")
+for (w, dt, n, impl), d in sorted(best.items()):
+    if impl != "tandem":
+        continue
+    t = d["samples_per_s"]
+    p = best.get((w, dt, n, "torch"), {}).get("samples_per_s")
+    unit = "samples/s" if w != "w3" else "samples/s"
+    def scaling(which):
+        one = best.get((w, dt, 1, which), {}).get("samples_per_s")
+        cur = best.get((w, dt, n, which), {}).get("samples_per_s")
+        return f"{cur / one:.2f}x" if (one and cur and n != 1) else ""
+    ratio = f"{t / p:.2f}x" if p else "-"
+    ps = f"{p:12.1f}" if p else f"{'-':>12}"
+    print(f"{names[w]:8} {dt:5} {n:5d} {t:12.1f} {ps} {ratio:>6} {scaling('tandem'):>8} {scaling('torch'):>8}")
+print("(samples/s of the global batch; W3 samples are 128-token sequences)")
+PY
