@@ -64,9 +64,9 @@ options (torchrun's underscore spellings and --opt=value also work):
   --nnodes M             nodes in the job [1]
   --node-rank R          this node, 0..M-1; node 0 hosts the store [0]
   --master-addr A        host of node 0's store [127.0.0.1]
-  --master-port P        port of node 0's store [29500]
+  --master-port P        port of node 0's store [29500; on one node a free port unless given]
   --rdzv-endpoint A:P    same as --master-addr A --master-port P
-  --standalone           one node, store on a free port (ignores --master-port)
+  --standalone           one node, store on a free port on 127.0.0.1 (ignores --master-port)
   --max-restarts K       restart the whole group up to K times after a failure [0]
   --log-dir D            write D/attempt_<k>/<rank>/{stdout,stderr}.log instead of the console
   --tee [N]              with --log-dir: also copy to the console (N accepted for torchrun; any N)
@@ -274,7 +274,9 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
                                  o.nnodes, o.nnodes - 1));
   if (o.master_port == 0 && o.nnodes > 1)
     throw UsageError("tandem run: --master-port 0 cannot be shared with the other nodes; give a fixed port");
-  if (o.master_port == 0 && !o.standalone && port_given) o.standalone = true;  // a free port, like --standalone
+  // One node needs no agreed port: a free one avoids clashing with another job on 29500 (torchrun
+  // would use 29500; the workers get the real port in MASTER_PORT either way).
+  if (o.nnodes == 1 && !port_given) o.master_port = 0;
   if (o.nnodes > 1 && std::getenv("TANDEM_STORE_TOKEN") == nullptr)
     throw UsageError(
         "tandem run: --nnodes > 1 needs the same TANDEM_STORE_TOKEN on every node (the store's shared secret); "
@@ -598,6 +600,11 @@ int run(const RunOptions& o) {
       try {
         store = std::make_unique<dist::TCPStore>(o.master_addr, uint16_t(o.master_port), so);
       } catch (const dist::CommError& e) {
+        // A refused token will not get better by retrying (TCPStore's message says "rejected our token").
+        if (std::string(e.what()).find("rejected our token") != std::string::npos)
+          throw dist::CommError(fmt::format("node {}: node 0's store at {}:{} refused this node's TANDEM_STORE_TOKEN; "
+                                            "export the same token on every node: {}",
+                                            o.node_rank, o.master_addr, o.master_port, e.what()));
         if (Clock::now() >= deadline)
           throw dist::CommError(fmt::format("node {} cannot reach node 0's store at {}:{} within {} s: {}",
                                             o.node_rank, o.master_addr, o.master_port, o.rdzv_timeout_s, e.what()));

@@ -132,6 +132,16 @@ TEST_P(RunEnv, EveryRankSeesTorchrunEnvTokenThreadsAndItsCoreShare) {
 
 INSTANTIATE_TEST_SUITE_P(Nproc, RunEnv, ::testing::Values(1, 2, 3));
 
+TEST(Run, OneNodeWithoutAPortPicksAFreeOne) {
+  // Two jobs at once without --standalone or --master-port must not clash on 29500.
+  Subprocess a(cmd({"--nproc-per-node", "1"}, {"env", "store", "sleep:300"}), launcher_env());
+  ProcResult rb = run_process(cmd({"--nproc-per-node", "1"}, {"env", "store"}), launcher_env());
+  ProcResult ra = a.wait(10);
+  ASSERT_EQ(ra.exit_code, 0) << ra.err;
+  ASSERT_EQ(rb.exit_code, 0) << rb.err;
+  EXPECT_NE(worker_env(ra.out)[0]["MASTER_PORT"], worker_env(rb.out)[0]["MASTER_PORT"]);
+}
+
 TEST(Run, NoBindLeavesTheMaskAndSplitsThreads) {
   ProcResult r = run_process(cmd({"--standalone", "--nproc-per-node", "2", "--no-bind"}, {"env"}), launcher_env());
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -523,6 +533,22 @@ TEST(Run, ANodeWhoseLauncherDiesIsNamedByTheOthers) {
   EXPECT_CONTAINS(r0.err, "the launcher of node 1 stopped answering");
   EXPECT_NOT_CONTAINS(r0.err, "restarting");
   EXPECT_TRUE(all_gone_within(worker_pids(n1.out()), 5.0));
+}
+
+TEST(Run, ANodeWithTheWrongTokenFailsAtOnceNamingIt) {
+  const std::string port = std::to_string(free_port());
+  auto node = [&](int r) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--rdzv-timeout", "3"},
+               {"out:started"});
+  };
+  Subprocess n0(node(0), launcher_env({{"TANDEM_STORE_TOKEN", "right"}}));
+  ProcResult r1 = run_process(node(1), launcher_env({{"TANDEM_STORE_TOKEN", "wrong"}}));
+  ProcResult r0 = n0.wait(10);
+  EXPECT_EQ(r1.exit_code, 1);
+  EXPECT_LT(r1.seconds, 2.5) << "retried a refused token";
+  EXPECT_CONTAINS(r1.err, "refused this node's TANDEM_STORE_TOKEN");
+  EXPECT_EQ(r0.exit_code, 1);
+  EXPECT_CONTAINS(r0.err, "node(s) 1 did not join");
 }
 
 }  // namespace
