@@ -291,6 +291,7 @@ class ShmGroup final : public ProcessGroup {
   size_t small_bytes_, inline_bytes_, chunk_bytes_;
   int64_t spin_ns_;
   bool oversubscribed_;
+  bool push_;  // all_reduce: fused reduce + write to peers (TANDEM_SHM_ALLREDUCE=push) or pull
 
   mutable std::mutex q_mu_;
   std::condition_variable q_cv_;
@@ -312,6 +313,13 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
   chunk_bytes_ = std::max<size_t>(4096, env_bytes("TANDEM_SHM_CHUNK_BYTES", 256 << 10));
   const size_t heap_bytes = std::max<size_t>(1 << 20, env_bytes("TANDEM_SHM_HEAP_BYTES", size_t{4} << 30));
   oversubscribed_ = size > online_cpus();
+  {
+    const char* a = std::getenv("TANDEM_SHM_ALLREDUCE");
+    const std::string algo = a == nullptr ? "push" : a;
+    TANDEM_CHECK(algo == "push" || algo == "pull", ValueError,
+                 "TANDEM_SHM_ALLREDUCE='{}' must be push (fused reduce + write) or pull (reduce-scatter, then all-gather)", algo);
+    push_ = algo == "push";
+  }
   spin_ns_ = oversubscribed_ ? 0 : 50000;
   const auto timeout = options.timeout;
 
@@ -533,7 +541,7 @@ void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::str
     }
   }
   RankCtl& pc = ctl(p);
-  auto next_check = Clock::now();
+  auto next_check = Clock::now() + 20ms;
   for (;;) {
     pc.waiters.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t e = pc.epoch.load(std::memory_order_seq_cst);
@@ -749,6 +757,25 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
     const int64_t lo = std::min<int64_t>(buf.count, p * slice);
     return std::pair<int64_t, int64_t>(lo, std::min<int64_t>(buf.count, lo + slice));
   };
+  if (root < 0 && push_) {
+    // Fused: reduce our slice chunk by chunk (rank order) into our buffer and write each reduced
+    // chunk straight into every peer's buffer (nobody else reads or writes that slice), so
+    // there is no separate all-gather pass. One barrier at the end.
+    auto [lo, hi] = slice_of(me);
+    for (int64_t b = lo; b < hi; b += chunk) {
+      const int64_t m = std::min(chunk, hi - b);
+      for (int p = 0; p < n; ++p) ins[p] = (p == me ? e.ptr : peer_ptr(p, codes[p], seq)) + b * es;
+      reduce_arrays(e.ptr + b * es, ins.data(), n, m, buf.dtype, op, n);
+      for (int i = 1; i < n; ++i) {
+        const int p = (me + i) % n;
+        std::memcpy(const_cast<uint8_t*>(peer_ptr(p, codes[p], seq)) + b * es, e.ptr + b * es, static_cast<size_t>(m) * es);
+      }
+    }
+    publish(seq, kFinal);
+    wait_all_final(c);
+    if (e.ptr != buf.data) std::memcpy(buf.data, e.ptr, nbytes);
+    return;
+  }
   // Reduce-scatter: our slice, chunk by chunk, from every rank's buffer (rank order) into ours.
   {
     auto [lo, hi] = slice_of(me);
