@@ -10,6 +10,7 @@
 
 #include "tandem/amp/autocast.h"
 #include "tandem/amp/grad_scaler.h"
+#include "tandem/amp/initialize.h"
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/data/sampler.h"
 #include "tandem/dist/process_group.h"
@@ -651,5 +652,51 @@ TEST(DDP, GradScalerSkipsTheSameStepsOnEveryRank) {
     }
     ddp.attach_optimizer(opt.get());
     ddp.check_replicas();  // the replicas stayed equal: every rank skipped the same step
+  });
+}
+
+TEST(DDP, O2Bf16WeightsReduceInBf16AndMatchTheGlobalBatch) {
+  // amp::initialize(O2) before DDP: the buckets hold bf16 gradients, reduced in bf16 with f32
+  // accumulation by the backend, and unscaled into the f32 masters. Same bf16 tolerance (and
+  // reasons) as the autocast test above.
+  Workload w = w1_mlp();
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    auto run = [&](bool distributed) {
+      td::manual_seed(0);
+      auto model = w.make_model();
+      auto opt = w.make_optimizer(*model);
+      auto amp = td::amp::initialize(*model, *opt, {.opt_level = "O2"});
+      std::unique_ptr<DistributedDataParallel> ddp;
+      if (distributed) ddp = std::make_unique<DistributedDataParallel>(model, group);
+      for (auto& p : model->parameters()) {
+        if (p.dtype() != td::kBFloat16) fail("O2 left a parameter in f32");
+      }
+      if (distributed) {  // the buckets are bf16: 2 bytes per parameter element
+        int64_t bytes = 0;
+        for (int64_t b : ddp->reducer().bucket_sizes_bytes()) bytes += b;
+        if (bytes != 2 * model->num_parameters()) fail("the gradient buckets are not bf16");
+      }
+      for (int s = 0; s < 10; ++s) {
+        auto [x, y] = w.batch(s, 16);
+        Tensor xs = distributed ? rank_rows(x, group->rank(), 2) : x, ys = distributed ? rank_rows(y, group->rank(), 2) : y;
+        opt->zero_grad();
+        model->zero_grad();
+        Tensor out = distributed ? (*ddp)(amp->cast_input(xs)) : model->forward(amp->cast_input(xs));
+        {
+          td::amp::ScaledLoss scaled(w.loss(out, ys), *opt);
+          scaled.get().backward();
+        }
+        opt->step();
+      }
+      std::vector<Tensor> masters;
+      for (auto& m : amp->master_params()) masters.push_back(m.clone());
+      return masters;
+    };
+    auto dist_masters = run(true), ref_masters = run(false);
+    if (dist_masters.size() != ref_masters.size() || dist_masters.empty()) fail("no f32 masters");
+    for (size_t i = 0; i < dist_masters.size(); ++i) {
+      const double d = rel_diff(dist_masters[i], ref_masters[i]);
+      if (!(d <= 1e-2)) fail(fmt::format("O2 master {} differs by rel {:.3g} (limit 1e-2)", i, d));
+    }
   });
 }
