@@ -1,0 +1,318 @@
+// Checkpoint directories: write under a temporary name, fsync, rename; load by validating
+// everything before copying anything.
+#include "tandem/train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tandem/core/error.h"
+#include "tandem/core/safetensors.h"
+#include "tandem/nn/serialize.h"
+
+namespace tandem::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kMasterFile = "master_weights.safetensors";
+constexpr const char* kStateFile = "trainer_state.json";
+constexpr const char* kPrefix = "step_";
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  TANDEM_CHECK(fd >= 0, IOError, "checkpoint: cannot open {} to fsync it: {}", path, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  TANDEM_CHECK(rc == 0, IOError, "checkpoint: fsync {} failed: {}", path, std::strerror(err));
+}
+
+void write_file_durable(const std::string& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TANDEM_CHECK(fd >= 0, IOError, "checkpoint: cannot create {}: {}", path, std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      throw IOError(fmt::format("checkpoint: writing {} failed: {}", path, std::strerror(err)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  TANDEM_CHECK(rc == 0, IOError, "checkpoint: fsync {} failed: {}", path, std::strerror(err));
+}
+
+json read_json(const std::string& path) {
+  std::ifstream f(path);
+  TANDEM_CHECK(f.good(), IOError, "checkpoint: cannot read {}", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  try {
+    return json::parse(ss.str());
+  } catch (const json::exception& e) {
+    throw IOError(fmt::format("checkpoint: {} is not valid JSON (truncated?): {}", path, e.what()));
+  }
+}
+
+// The step of a directory named step_N, or -1.
+int64_t step_of(const std::string& name) {
+  if (name.rfind(kPrefix, 0) != 0 || name.size() == std::strlen(kPrefix)) return -1;
+  const std::string digits = name.substr(std::strlen(kPrefix));
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return -1;
+  return std::stoll(digits);
+}
+
+json state_to_json(const CheckpointState& s) {
+  return {{"step", s.step},
+          {"epoch", s.epoch},
+          {"batches_consumed", s.batches_consumed},
+          {"scheduler_step", s.scheduler_step},
+          {"rng", {{"seed", s.rng_seed}, {"offset", s.rng_offset}}},
+          {"scaler", s.scaler},
+          {"config", s.config},
+          {"extra", s.extra},
+          {"format", "tandem-checkpoint-1"}};
+}
+
+CheckpointState state_from_json(const json& j, const std::string& path) {
+  CheckpointState s;
+  try {
+    s.step = j.at("step").get<int64_t>();
+    s.epoch = j.at("epoch").get<int64_t>();
+    s.batches_consumed = j.at("batches_consumed").get<int64_t>();
+    s.scheduler_step = j.at("scheduler_step").get<int64_t>();
+    s.rng_seed = j.at("rng").at("seed").get<uint64_t>();
+    s.rng_offset = j.at("rng").at("offset").get<uint64_t>();
+    s.scaler = j.at("scaler").get<std::map<std::string, double>>();
+    s.config = j.at("config");
+    s.extra = j.value("extra", json::object());
+  } catch (const json::exception& e) {
+    throw IOError(fmt::format("checkpoint: {} lacks a field or has a wrong type: {}", path, e.what()));
+  }
+  return s;
+}
+
+// The optimizer state to save: amp's (for the f32 masters) when amp manages the optimizer.
+optim::OptimizerState optimizer_state(const CheckpointTarget& t, std::vector<Tensor>* masters,
+                                      std::map<std::string, double>* scaler) {
+  if (t.amp) {
+    amp::Amp::State s = t.amp->state_dict();
+    *masters = std::move(s.master_params);
+    *scaler = std::move(s.scaler);
+    return std::move(s.optimizer);
+  }
+  return t.optimizer->state_dict();
+}
+
+std::vector<Tensor> optimizer_params(const optim::Optimizer& opt) {
+  std::vector<Tensor> out;
+  for (const auto& g : opt.param_groups()) out.insert(out.end(), g.params.begin(), g.params.end());
+  return out;
+}
+
+}  // namespace
+
+std::string checkpoint_name(int64_t step) { return fmt::format("{}{:08d}", kPrefix, step); }
+
+std::string save_checkpoint(const std::string& root, const CheckpointTarget& target, const CheckpointState& state,
+                            int64_t keep_last) {
+  TANDEM_CHECK(target.model && target.optimizer, ValueError, "save_checkpoint: the target needs a model and an optimizer");
+  TANDEM_CHECK(keep_last >= 1, ValueError, "save_checkpoint: keep_last is {}, expected >= 1", keep_last);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  TANDEM_CHECK(!ec, IOError, "checkpoint: cannot create {}: {}", root, ec.message());
+  const std::string name = checkpoint_name(state.step);
+  const std::string final_dir = root + "/" + name;
+  const std::string tmp = fmt::format("{}/.tmp.{}.{}", root, name, ::getpid());
+  fs::remove_all(tmp, ec);
+  fs::create_directory(tmp, ec);
+  TANDEM_CHECK(!ec, IOError, "checkpoint: cannot create {}: {}", tmp, ec.message());
+  try {
+    // ---- the files (each save_safetensors is itself fsync'ed) ----
+    nn::save_state_dict(*target.model, tmp + "/" + kModelFile);
+    std::vector<Tensor> masters;
+    CheckpointState st = state;
+    std::map<std::string, double> amp_scaler;
+    const optim::OptimizerState os = optimizer_state(target, &masters, &amp_scaler);
+    if (target.amp) st.scaler = amp_scaler;
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (size_t i = 0; i < os.state.size(); ++i) {
+      for (const auto& [k, v] : os.state[i]) tensors.emplace_back(fmt::format("state.{}.{}", i, k), v);
+    }
+    json groups = json::array();
+    for (const auto& g : os.param_groups) groups.push_back(g);
+    save_safetensors(tmp + "/" + kOptimizerFile, tensors,
+                     {{"param_groups", groups.dump()}, {"num_params", std::to_string(os.state.size())},
+                      {"optimizer", target.optimizer->name()}});
+    if (!masters.empty()) {
+      std::vector<std::pair<std::string, Tensor>> m;
+      for (size_t i = 0; i < masters.size(); ++i) m.emplace_back(fmt::format("master.{}", i), masters[i]);
+      save_safetensors(tmp + "/" + kMasterFile, m);
+    }
+    write_file_durable(tmp + "/" + kStateFile, state_to_json(st).dump(1) + "\n");
+    fsync_path(tmp, true);
+    // ---- publish ----
+    std::string aside;
+    if (fs::exists(final_dir)) {
+      aside = fmt::format("{}/.old.{}.{}", root, name, ::getpid());
+      fs::remove_all(aside, ec);
+      fs::rename(final_dir, aside, ec);
+      TANDEM_CHECK(!ec, IOError, "checkpoint: cannot move {} aside: {}", final_dir, ec.message());
+    }
+    fs::rename(tmp, final_dir, ec);
+    TANDEM_CHECK(!ec, IOError, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+    fsync_path(root, true);
+    if (!aside.empty()) fs::remove_all(aside, ec);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  // ---- retention: newest keep_last, and no leftovers of crashed saves ----
+  std::vector<std::string> complete = list_checkpoints(root);
+  for (size_t i = 0; i + static_cast<size_t>(keep_last) < complete.size(); ++i) fs::remove_all(complete[i], ec);
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".tmp.", 0) == 0 || n.rfind(".old.", 0) == 0) fs::remove_all(e.path(), ec);
+  }
+  return final_dir;
+}
+
+std::vector<std::string> list_checkpoints(const std::string& root) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return {};
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const int64_t step = step_of(e.path().filename().string());
+    if (step < 0 || !e.is_directory(ec)) continue;
+    const std::string state_path = e.path().string() + "/" + kStateFile;
+    try {
+      (void)state_from_json(read_json(state_path), state_path);
+    } catch (const Error&) {
+      continue;  // not a checkpoint this code wrote completely
+    }
+    found.emplace_back(step, e.path().string());
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& [s, p] : found) out.push_back(std::move(p));
+  return out;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root) {
+  std::vector<std::string> all = list_checkpoints(root);
+  if (all.empty()) return std::nullopt;
+  return all.back();
+}
+
+CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target) {
+  TANDEM_CHECK(target.model && target.optimizer, ValueError, "load_checkpoint: the target needs a model and an optimizer");
+  // ---- read everything ----
+  const std::string state_path = dir + "/" + kStateFile;
+  CheckpointState st = state_from_json(read_json(state_path), state_path);
+  const SafetensorsFile model_file = load_safetensors(dir + "/" + kModelFile);
+  const SafetensorsFile opt_file = load_safetensors(dir + "/" + kOptimizerFile);
+  std::optional<SafetensorsFile> master_file;
+  const bool want_masters = target.amp && !target.amp->master_params().empty();
+  if (want_masters) master_file = load_safetensors(dir + "/" + kMasterFile);
+
+  // ---- check the model: every name both ways, every shape ----
+  const nn::StateDict live = target.model->state_dict();
+  for (const auto& [name, t] : live) {
+    TANDEM_CHECK(model_file.contains(name), ValueError,
+                 "load_checkpoint: {}/{} has no tensor \"{}\" (shape {}) that this model has; the checkpoint is of a "
+                 "different model",
+                 dir, kModelFile, name, shape_str(t.shape()));
+    const Tensor& saved = model_file.at(name);
+    TANDEM_CHECK(saved.shape() == t.shape(), ValueError,
+                 "load_checkpoint: tensor \"{}\" has shape {} in {}/{}, but {} in this model; the checkpoint is of a "
+                 "different model",
+                 name, shape_str(saved.shape()), dir, kModelFile, shape_str(t.shape()));
+  }
+  for (const auto& [name, t] : model_file.tensors) {
+    const bool known = std::any_of(live.begin(), live.end(), [&](const auto& p) { return p.first == name; });
+    TANDEM_CHECK(known, ValueError,
+                 "load_checkpoint: {}/{} holds tensor \"{}\" (shape {}) that this model does not have; the checkpoint "
+                 "is of a different model",
+                 dir, kModelFile, name, shape_str(t.shape()));
+  }
+
+  // ---- check the optimizer state against the optimizer's parameters ----
+  const std::vector<Tensor> params = optimizer_params(*target.optimizer);
+  optim::OptimizerState os;
+  try {
+    const json groups = json::parse(opt_file.metadata.at("param_groups"));
+    for (const json& g : groups) os.param_groups.push_back(g.get<optim::Options>());
+    const size_t n = std::stoull(opt_file.metadata.at("num_params"));
+    TANDEM_CHECK(n == params.size(), ValueError,
+                 "load_checkpoint: {}/{} holds state for {} parameters, this optimizer has {}", dir, kOptimizerFile, n,
+                 params.size());
+  } catch (const std::out_of_range&) {
+    throw IOError(fmt::format("load_checkpoint: {}/{} lacks the param_groups/num_params metadata", dir, kOptimizerFile));
+  } catch (const json::exception& e) {
+    throw IOError(fmt::format("load_checkpoint: {}/{}: bad param_groups metadata: {}", dir, kOptimizerFile, e.what()));
+  }
+  TANDEM_CHECK(os.param_groups.size() == target.optimizer->param_groups().size(), ValueError,
+               "load_checkpoint: {}/{} has {} parameter groups, this optimizer has {}", dir, kOptimizerFile,
+               os.param_groups.size(), target.optimizer->param_groups().size());
+  os.state.resize(params.size());
+  for (const auto& [name, t] : opt_file.tensors) {
+    // "state.<i>.<key>"
+    const size_t d1 = name.find('.'), d2 = name.find('.', d1 + 1);
+    TANDEM_CHECK(name.rfind("state.", 0) == 0 && d2 != std::string::npos, IOError,
+                 "load_checkpoint: {}/{}: unexpected tensor \"{}\"", dir, kOptimizerFile, name);
+    const size_t i = std::stoull(name.substr(d1 + 1, d2 - d1 - 1));
+    TANDEM_CHECK(i < params.size(), ValueError, "load_checkpoint: {}/{}: tensor \"{}\" is for parameter {} of {}", dir,
+                 kOptimizerFile, name, i, params.size());
+    TANDEM_CHECK(t.numel() == 1 || t.shape() == params[i].shape(), ValueError,
+                 "load_checkpoint: optimizer state \"{}\" has shape {} in {}/{}, but parameter {} (\"{}\") has shape {}",
+                 name, shape_str(t.shape()), dir, kOptimizerFile, i, params[i].name(), shape_str(params[i].shape()));
+    os.state[i][name.substr(d2 + 1)] = t;
+  }
+  amp::Amp::State amp_state;
+  if (target.amp) {
+    if (want_masters) {
+      const auto& masters = target.amp->master_params();
+      TANDEM_CHECK(master_file->tensors.size() == masters.size(), ValueError,
+                   "load_checkpoint: {}/{} holds {} master weights, this run has {}", dir, kMasterFile,
+                   master_file->tensors.size(), masters.size());
+      for (size_t i = 0; i < masters.size(); ++i) {
+        const Tensor& m = master_file->at(fmt::format("master.{}", i));
+        TANDEM_CHECK(m.shape() == masters[i].shape(), ValueError,
+                     "load_checkpoint: master weight \"master.{}\" has shape {} in {}/{}, but {} here", i,
+                     shape_str(m.shape()), dir, kMasterFile, shape_str(masters[i].shape()));
+        amp_state.master_params.push_back(m);
+      }
+    }
+    for (const char* k : {"scale", "_growth_tracker", "_hysteresis_left"}) {
+      TANDEM_CHECK(st.scaler.count(k), ValueError, "load_checkpoint: {}/{} has no amp loss-scale \"{}\"", dir, kStateFile, k);
+    }
+    amp_state.scaler = st.scaler;
+  }
+
+  // ---- everything checked: copy in ----
+  target.model->load_state_dict(model_file.tensors, /*strict=*/true);
+  if (target.amp) {
+    amp_state.optimizer = std::move(os);
+    target.amp->load_state_dict(amp_state);
+  } else {
+    target.optimizer->load_state_dict(os);
+  }
+  return st;
+}
+
+}  // namespace tandem::train

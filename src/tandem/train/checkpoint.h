@@ -1,0 +1,73 @@
+// Training checkpoints: one directory per saved step holding everything a run needs to resume
+// exactly. Invariant: a directory named step_NNNNNNNN under the root is always complete — it is
+// written under a temporary name, every file and the directory are fsync'ed, and only then is it
+// renamed into place — so a crash at any moment leaves the previous checkpoint intact.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tandem/amp/initialize.h"
+#include "tandem/nn/module.h"
+#include "tandem/optim/optimizer.h"
+
+namespace tandem::train {
+
+// A checkpoint directory's files:
+//   model.safetensors     module.state_dict() under PyTorch's names (torch's load_state_dict reads it)
+//   optimizer.safetensors per-parameter state "state.<i>.<key>" (i over all groups' parameters, in
+//                         order); metadata "param_groups" (JSON list of each group's options)
+//   master_weights.safetensors  f32 master copies "master.<i>" (amp O2 only)
+//   trainer_state.json    step, sampler epoch and position, scheduler step, RNG (seed, offset),
+//                         loss-scaler state, the config, and free-form extras
+struct CheckpointState {
+  int64_t step = 0;              // optimizer steps done
+  int64_t epoch = 0;             // the data loader's epoch
+  int64_t batches_consumed = 0;  // micro-batches of that epoch already taken
+  int64_t scheduler_step = 0;
+  uint64_t rng_seed = 0, rng_offset = 0;  // the training thread's default generator
+  std::map<std::string, double> scaler;   // GradScaler / amp loss-scale state; empty: none
+  nlohmann::json config;                  // the validated config of the run
+  nlohmann::json extra = nlohmann::json::object();  // e.g. skipped-step counts, metrics
+};
+
+// The live objects a checkpoint is taken from and restored into. `amp` (optional) takes over the
+// optimizer state, the f32 masters and the loss scale when it manages the optimizer.
+struct CheckpointTarget {
+  nn::Module* model = nullptr;
+  optim::Optimizer* optimizer = nullptr;
+  amp::Amp* amp = nullptr;
+};
+
+// "step_00000012".
+std::string checkpoint_name(int64_t step);
+
+// Writes a checkpoint of `target` and `state` to root/checkpoint_name(state.step), atomically
+// (temporary directory ".tmp.<name>.<pid>", files and directory fsync'ed, rename, root fsync'ed),
+// then deletes all but the newest `keep_last` checkpoints and any temporary left by a crashed save.
+// An existing checkpoint of the same step is replaced (briefly moved aside while the new one is
+// renamed in). Blocks until durable; returns the directory. Throws IOError naming the path and
+// the OS error; on failure the temporary is removed and existing checkpoints are untouched.
+// Call from one process only (rank 0): the checkpoint holds one replica of the model.
+std::string save_checkpoint(const std::string& root, const CheckpointTarget& target, const CheckpointState& state,
+                            int64_t keep_last);
+
+// The complete checkpoints under `root`, oldest first (directories named step_N holding a
+// readable trainer_state.json; temporaries are ignored). Empty when root does not exist.
+std::vector<std::string> list_checkpoints(const std::string& root);
+// The newest complete checkpoint under `root` (`--resume auto`), or nullopt.
+std::optional<std::string> latest_checkpoint(const std::string& root);
+
+// Reads every file of the checkpoint in `dir`, checks it against `target` (every model tensor
+// name and shape, the optimizer's parameter count and state shapes, the masters), and only then
+// copies the values in. Returns the saved CheckpointState. Throws IOError for a missing or
+// truncated file (naming it) and ValueError naming the tensor and both shapes for a model that
+// differs; in every error case nothing in `target` has changed.
+CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target);
+
+}  // namespace tandem::train
