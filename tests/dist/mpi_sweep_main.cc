@@ -1,7 +1,8 @@
 // Runs the collective sweep on the mpi backend (ctest: mpirun -np N mpi_sweep) or, with
 // `--backend gloo --spawn N`, on the gloo backend over N forked local ranks. Prints "OK" and
 // exits 0 when every rank passed; otherwise prints the first error and exits 1. Also:
-// --desync (mpirun -np 2: timeout + desync diagnosis), --bench BYTES (all_reduce busbw).
+// --desync (mpirun -np 2: timeout + desync diagnosis), --half-wire-check (mpirun -np 3: the
+// 1-ulp check catches pairwise 16-bit rounding), --bench BYTES (all_reduce busbw).
 //
 //   mpi:  the world group (no store), then, with a TCPStore whose port rank 0 broadcasts over
 //         the world group, a subgroup of the even world ranks (MPI_Comm_create_group path).
@@ -165,6 +166,36 @@ int run_desync() {
   return 0;
 }
 
+// The sweep's 1-ulp check must catch 16-bit partial sums: with TANDEM_MPI_HALF_WIRE=1 (pairwise
+// rounding through MPI_Op_create ops) a bf16/f16 SUM over 3 ranks fails it, yet stays within the
+// (n-1)-ulp bound of a pairwise chain. Exits 0 when both hold.
+int run_half_wire_check() {
+  const int rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+  const int size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+  setenv("TANDEM_MPI_HALF_WIRE", "1", 1);
+  auto pg = make_mpi_group(nullptr, rank, size, {});
+  SweepOptions opt;
+  opt.ops = {"all_reduce"};
+  opt.reduce_ops = {ReduceOp::SUM};
+  opt.dtypes = {DType::bf16, DType::f16};
+  opt.counts = {1009};
+  std::string caught;
+  try {
+    run_collective_sweep(*pg, opt);
+  } catch (const tandem::dist::testing::SweepError& e) {
+    caught = e.what();
+  }
+  // Every rank gets the same (wrong) values, so every rank's check fails the same way.
+  if (caught.find("all_reduce(SUM)") == std::string::npos) {
+    std::fprintf(stderr, "[rank %d] FAILED: pairwise 16-bit rounding passed the 1-ulp check (%s)\n", rank, caught.c_str());
+    return 1;
+  }
+  std::printf("[rank %d] pairwise rounding caught: %s\n", rank, caught.c_str());
+  opt.reduced_float_one_rounding = false;
+  run_collective_sweep(*pg, opt);  // within (n-1) ulp: throws otherwise
+  return 0;
+}
+
 // all_reduce bus bandwidth (nccl-tests' busbw = algbw * 2(n-1)/n) of `bytes` of f32 or bf16.
 void bench(ProcessGroup& pg, int64_t bytes, DType dt, int iters) {
   const int64_t count = bytes / static_cast<int64_t>(element_size(dt));
@@ -270,7 +301,7 @@ int run_gloo(int nprocs, int64_t bench_bytes) {
 int main(int argc, char** argv) {
   std::string backend = "mpi";
   int spawn = 2;
-  bool large = false, desync = false;
+  bool large = false, desync = false, half_wire = false;
   int64_t bench_bytes = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -278,9 +309,10 @@ int main(int argc, char** argv) {
     else if (a == "--spawn" && i + 1 < argc) spawn = std::atoi(argv[++i]);
     else if (a == "--large") large = true;
     else if (a == "--desync") desync = true;
+    else if (a == "--half-wire-check") half_wire = true;
     else if (a == "--bench" && i + 1 < argc) bench_bytes = std::atoll(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--bench BYTES]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--half-wire-check (mpi, np 3)] [--bench BYTES]\n", argv[0]);
       return 2;
     }
   }
@@ -288,6 +320,7 @@ int main(int argc, char** argv) {
     int rc;
     if (backend == "gloo") rc = run_gloo(spawn, bench_bytes);
     else if (desync) rc = run_desync();
+    else if (half_wire) rc = run_half_wire_check();
     else if (bench_bytes > 0) rc = run_mpi_bench(bench_bytes);
     else rc = run_mpi(large);
     if (rc == 0) std::printf("OK\n");

@@ -40,10 +40,13 @@ using Clock = std::chrono::steady_clock;
 
 class MpiGroup;
 
-// Reductions of 16-bit floats done on 16-bit wire values (TANDEM_MPI_HALF_WIRE=1): each pairwise
-// step widens both operands to f32, combines them and rounds back to 16 bits, so an N-rank sum is
-// rounded N-1 times (up to ~(N-1)/2 ulp of error). The default path instead widens the whole
-// buffer to f32, reduces in f32 and rounds once (<= 1/2 ulp plus the f32 error), at twice the bytes.
+// 16-bit float reductions. Default: one rounding. all_reduce and reduce_scatter move raw 16-bit
+// blocks (all_to_all), reduce them in f32 on the owning rank and round once (<= 1/2 ulp plus the
+// f32 error: within 1 ulp of the exact sum), then all_gather: 16-bit wire bytes. reduce (to a
+// root) widens the buffer to f32 and reduces it with MPI's f32 op (one rounding, twice the bytes).
+// TANDEM_MPI_HALF_WIRE=1 instead uses these user ops (MPI_Op_create) on the 16-bit values: each
+// pairwise step widens both operands to f32, combines them and rounds back to 16 bits, so an
+// N-rank sum is rounded N-1 times (up to ~(N-1)/2 ulp; the sweep's 1-ulp check fails on 3 ranks).
 template <class T, ReduceOp kOp>
 void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
   const T* a = static_cast<const T*>(in);
@@ -352,13 +355,10 @@ class MpiGroup final : public ProcessGroup {
                  [this, out, in, op] {
                    const int n = static_cast<int>(out.count);
                    if (is_reduced_float(in.dtype) && !half_wire_) {
-                     // Widen, reduce in f32, round once.
-                     float* in32 = scratch(0, in.count);
-                     float* out32 = scratch(1, out.count);
-                     convert(in.data, in.dtype, in32, DType::f32, in.count);
-                     check_rc("MPI_Reduce_scatter_block", MPI_Reduce_scatter_block(in32, out32, n, MPI_FLOAT, mpi_op(op), comm_));
-                     if (op == ReduceOp::AVG) divide(out32, DType::f32, out.count, size());
-                     convert(out32, DType::f32, out.data, out.dtype, out.count);
+                     // Every rank's raw 16-bit block for us, then one f32 reduction, rounded once.
+                     auto* recv = scratch16(in.count);
+                     check_rc("MPI_Alltoall", MPI_Alltoall(in.data, n, mpi_type(in.dtype), recv, n, mpi_type(in.dtype), comm_));
+                     reduce_blocks16(recv, in.dtype, out.count, op, out.data);
                      return;
                    }
                    const MPI_Op mop = is_reduced_float(in.dtype) ? MpiRuntime::get().op16(in.dtype, op) : mpi_op(op);
@@ -534,6 +534,10 @@ class MpiGroup final : public ProcessGroup {
   // all_reduce (root < 0) or reduce to root, in place; 16-bit floats through f32 unless half_wire_.
   void reduce_impl(Buffer buf, Buffer, ReduceOp op, int root) {
     if (buf.count == 0) return;
+    if (root < 0 && is_reduced_float(buf.dtype) && !half_wire_ && buf.count <= INT_MAX) {
+      all_reduce16(buf, op);
+      return;
+    }
     const bool widen = is_reduced_float(buf.dtype) && !half_wire_;
     float* wide = widen ? scratch(0, buf.count) : nullptr;
     void* data = buf.data;
@@ -559,6 +563,58 @@ class MpiGroup final : public ProcessGroup {
     if (root >= 0 && rank() != root) return;  // non-root contents are unspecified (c10d)
     if (op == ReduceOp::AVG) divide(data, dt, buf.count, size());
     if (widen) convert(wide, DType::f32, buf.data, buf.dtype, buf.count);
+  }
+
+  // 16-bit all_reduce with one rounding on a 16-bit wire (the bytes of a 16-bit ring, half of
+  // an f32 all_reduce): an all_to_all hands rank j every rank's raw block j, rank j reduces
+  // them in f32 in rank order and rounds once, and an all_gather returns the reduced blocks.
+  // Each element is reduced by one rank only, so every rank ends with the same bits.
+  void all_reduce16(Buffer buf, ReduceOp op) {
+    const int n = size();
+    const int64_t base = buf.count / n, rem = buf.count % n;
+    auto len = [&](int j) { return static_cast<int>(base + (j < rem ? 1 : 0)); };
+    auto off = [&](int j) { return static_cast<int>(j * base + std::min<int64_t>(j, rem)); };
+    const int mine = len(rank());
+    std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
+    for (int j = 0; j < n; ++j) {
+      scounts[j] = len(j);
+      sdispls[j] = off(j);
+      rcounts[j] = mine;
+      rdispls[j] = j * mine;
+    }
+    auto* recv = scratch16(int64_t{mine} * n);
+    const MPI_Datatype t = mpi_type(buf.dtype);
+    check_rc("MPI_Alltoallv", MPI_Alltoallv(buf.data, scounts.data(), sdispls.data(), t, recv, rcounts.data(), rdispls.data(), t, comm_));
+    reduce_blocks16(recv, buf.dtype, mine, op, static_cast<uint16_t*>(buf.data) + off(rank()));
+    for (int j = 0; j < n; ++j) {
+      rcounts[j] = len(j);
+      rdispls[j] = off(j);
+    }
+    check_rc("MPI_Allgatherv", MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf.data, rcounts.data(), rdispls.data(), t, comm_));
+  }
+
+  // out[i] = op over r of blocks[r * k + i] (size() blocks of k 16-bit values), in f32, rounded once.
+  void reduce_blocks16(const uint16_t* blocks, DType dt, int64_t k, ReduceOp op, void* out) {
+    if (k == 0) return;
+    float* acc = scratch(0, k);
+    float* next = scratch(1, k);
+    convert(blocks, dt, acc, DType::f32, k);
+    for (int r = 1; r < size(); ++r) {
+      convert(blocks + r * k, dt, next, DType::f32, k);
+      switch (op) {
+        case ReduceOp::SUM: case ReduceOp::AVG: for (int64_t i = 0; i < k; ++i) acc[i] += next[i]; break;
+        case ReduceOp::PRODUCT: for (int64_t i = 0; i < k; ++i) acc[i] *= next[i]; break;
+        case ReduceOp::MAX: for (int64_t i = 0; i < k; ++i) acc[i] = (acc[i] >= next[i] || acc[i] != acc[i]) ? acc[i] : next[i]; break;
+        case ReduceOp::MIN: for (int64_t i = 0; i < k; ++i) acc[i] = (acc[i] <= next[i] || acc[i] != acc[i]) ? acc[i] : next[i]; break;
+      }
+    }
+    if (op == ReduceOp::AVG) divide(acc, DType::f32, k, size());
+    convert(acc, DType::f32, out, dt, k);
+  }
+
+  uint16_t* scratch16(int64_t count) {
+    if (static_cast<int64_t>(scratch16_.size()) < count) scratch16_.resize(static_cast<size_t>(count));
+    return scratch16_.data();
   }
 
   // f32 staging for 16-bit reductions, kept between collectives: a fresh 64 MiB vector per call
@@ -775,6 +831,7 @@ class MpiGroup final : public ProcessGroup {
   MPI_Comm comm_ = MPI_COMM_NULL;
   bool half_wire_ = false;
   std::vector<float> scratch_[2];  // see scratch()
+  std::vector<uint16_t> scratch16_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
