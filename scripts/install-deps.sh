@@ -49,3 +49,10 @@ else
   echo "install-deps: installing safetensors into $venv"
   "$venv/bin/pip" install -q safetensors
 fi
+# tensorboard: tests/train/metrics_test.cc reads Tandem's event files back with its reader.
+if "$venv/bin/python" -c 'import tensorboard' 2>/dev/null; then
+  echo "install-deps: $venv has tensorboard"
+else
+  echo "install-deps: installing tensorboard into $venv"
+  "$venv/bin/pip" install -q tensorboard
+fi
