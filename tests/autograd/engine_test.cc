@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/autograd/engine.h"
 #include "util/test_util.h"
 
 namespace td = tandem;
@@ -317,4 +318,25 @@ TEST(AutogradGrad, ReturnsGradientsWithoutTouchingGrad) {
   Tensor h = x * 2.0;
   g = td::autograd::grad({sum(h * h)}, {h});
   EXPECT_EQ(g[0].to_vector(), (std::vector<double>{4, 8, 12}));
+}
+
+TEST(Engine, QueuedCallbackRunsOnceAfterEveryNodeOfThatBackward) {
+  tandem::Tensor a = tandem::ones({3}).requires_grad_(), b = tandem::ones({3}).requires_grad_();
+  tandem::Tensor loss = tandem::ops::sum(tandem::ops::mul(tandem::ops::mul(a, 2.0), b));
+  int calls = 0;
+  bool b_had_grad = false;
+  // Queued from a's hook (a's gradient is ready before b's is accumulated, or after: either way
+  // the callback must see both).
+  a.register_post_accumulate_grad_hook([&](tandem::Tensor&) {
+    tandem::autograd::queue_callback([&] {
+      ++calls;
+      b_had_grad = b.grad().defined();
+      EXPECT_TRUE(tandem::autograd::in_backward());
+    });
+  });
+  loss.backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(b_had_grad);
+  EXPECT_FALSE(tandem::autograd::in_backward());
+  EXPECT_THROW(tandem::autograd::queue_callback([] {}), tandem::AutogradError);
 }
