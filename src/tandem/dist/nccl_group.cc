@@ -62,6 +62,7 @@ void check_cuda(cudaError_t rc, const char* what) {
 struct Task {
   std::shared_ptr<Work> work;
   std::function<void(cudaStream_t)> enqueue;
+  cudaEvent_t inputs_ready = nullptr;  // recorded on the legacy default stream at issue time
 };
 
 struct InFlight {
@@ -112,6 +113,10 @@ class NcclGroup final : public ProcessGroup {
     }
     cv_.notify_all();
     if (progress_.joinable()) progress_.join();
+    for (auto& t : queue_) {
+      if (t.inputs_ready != nullptr) cudaEventDestroy(t.inputs_ready);
+      t.work->finish(std::make_exception_ptr(CommError(fmt::format("{}: not run: the process group was destroyed", t.work->description()))));
+    }
     if (comm_ != nullptr) {
       if (broken_) ncclCommAbort(comm_);
       else ncclCommDestroy(comm_);
@@ -344,7 +349,15 @@ class NcclGroup final : public ProcessGroup {
         work->finish(std::make_exception_ptr(CommError(fmt::format("{}: the nccl process group is unusable: {}", work->description(), broken_reason_))));
         return work;
       }
-      queue_.push_back(Task{work, std::move(enqueue)});
+      // The group's stream does not synchronize with the default stream: make it wait for
+      // whatever the caller queued there before issuing (copies into the buffers, kernels).
+      cudaEvent_t ready = nullptr;
+      if (cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) != cudaSuccess ||
+          cudaEventRecord(ready, cudaStreamLegacy) != cudaSuccess) {
+        if (ready != nullptr) cudaEventDestroy(ready);
+        ready = nullptr;  // best effort: without it the caller must have synchronized
+      }
+      queue_.push_back(Task{work, std::move(enqueue), ready});
     }
     cv_.notify_all();
     return work;
@@ -365,7 +378,10 @@ class NcclGroup final : public ProcessGroup {
       cudaEventDestroy(f.done);
     }
     in_flight.clear();
-    for (auto& t : dropped) t.work->finish(std::make_exception_ptr(CommError(fmt::format("{}: not run: {}", t.work->description(), reason))));
+    for (auto& t : dropped) {
+      if (t.inputs_ready != nullptr) cudaEventDestroy(t.inputs_ready);
+      t.work->finish(std::make_exception_ptr(CommError(fmt::format("{}: not run: {}", t.work->description(), reason))));
+    }
   }
 
   void progress_loop() {
@@ -381,6 +397,10 @@ class NcclGroup final : public ProcessGroup {
       }
       // Enqueue everything issued so far, in order; each gets an event behind it.
       for (auto& t : batch) {
+        if (t.inputs_ready != nullptr) {
+          if (!broken_) cudaStreamWaitEvent(stream_, t.inputs_ready, 0);
+          cudaEventDestroy(t.inputs_ready);  // released once the wait is enqueued
+        }
         if (broken_) {
           t.work->finish(std::make_exception_ptr(CommError(fmt::format("{}: not run: {}", t.work->description(), broken_reason_))));
           continue;
