@@ -55,6 +55,7 @@ using namespace std::chrono_literals;
 constexpr uint64_t kMagic = 0x54414e44454d5348ull;  // "TANDEMSH"
 constexpr int kMaxRanks = 256;
 constexpr int kRecent = 16;
+constexpr int64_t kMaxLead = 8;  // < kRecent: a descriptor outlives every reader
 constexpr int kMailDepth = 16;
 constexpr size_t kSlotBytes = 64 << 10;
 constexpr uint32_t kFinal = 0xffffffffu;
@@ -245,7 +246,7 @@ class ShmGroup final : public ProcessGroup {
   struct Ctx {
     const Task* task;
     Desc desc;
-    std::string what;  // "all_reduce #12 (f32, 4096, SUM)"
+    const std::string& what;  // "shm all_reduce #12 (f32, 4096, SUM)", the Work's description
     Clock::time_point deadline;
   };
   struct Exposure {
@@ -289,7 +290,8 @@ class ShmGroup final : public ProcessGroup {
   std::vector<std::shared_ptr<Segment>> heaps_;  // every rank's heap, mapped here
   std::shared_ptr<Heap> heap_;                   // ours
   size_t small_bytes_, inline_bytes_, chunk_bytes_;
-  int64_t spin_ns_;
+  int64_t spin_ns_;         // the most a wait spins before blocking
+  int64_t spin_budget_ns_;  // what it spins now (adaptive)
   bool oversubscribed_;
   bool push_;  // all_reduce: fused reduce + write to peers (TANDEM_SHM_ALLREDUCE=push) or pull
 
@@ -299,6 +301,8 @@ class ShmGroup final : public ProcessGroup {
   bool busy_ = false, stop_ = false;
   int64_t next_seq_ = 0;
   std::exception_ptr broken_;  // the first failure; the group is unusable after it
+  std::atomic<bool> broken_flag_{false};
+  int64_t pending_send_count_ = 0;
   std::vector<std::vector<std::pair<uint64_t, size_t>>> pending_sends_;  // per dst: (message index, scratch)
   std::thread thread_;
 };
@@ -320,7 +324,8 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
                  "TANDEM_SHM_ALLREDUCE='{}' must be push (fused reduce + write) or pull (reduce-scatter, then all-gather)", algo);
     push_ = algo == "push";
   }
-  spin_ns_ = oversubscribed_ ? 0 : 50000;
+  spin_ns_ = static_cast<int64_t>(env_bytes("TANDEM_SHM_SPIN_NS", oversubscribed_ ? 5000 : 50000));
+  spin_budget_ns_ = spin_ns_;
   const auto timeout = options.timeout;
 
   // Same host: the segments are only shared there.
@@ -406,11 +411,11 @@ std::shared_ptr<Work> ShmGroup::issue(Task t, size_t bytes) {
   std::unique_lock lock(q_mu_);
   const bool collective = t.op != Op::send && t.op != Op::recv;
   if (collective) t.seq = next_seq_++;
-  std::string what = collective ? t.desc().str()
-                                : fmt::format("{} {} rank {} (tag {}, {}, {})", op_name(t.op),
-                                              t.op == Op::send ? "to" : "from", t.peer, t.tag,
-                                              short_dtype_name(t.a.dtype), t.a.count);
-  t.work = std::make_shared<Work>(fmt::format("shm {}", what));
+  t.work = std::make_shared<Work>(
+      collective ? "shm " + t.desc().str()
+                 : fmt::format("shm {} {} rank {} (tag {}, {}, {})", op_name(t.op), t.op == Op::send ? "to" : "from",
+                               t.peer, t.tag, short_dtype_name(t.a.dtype), t.a.count));
+  const std::string& what = t.work->description();
   t.work->set_default_wait(timeout() * 2 + 10s);
   auto work = t.work;
   if (broken_) {
@@ -418,7 +423,7 @@ std::shared_ptr<Work> ShmGroup::issue(Task t, size_t bytes) {
       std::rethrow_exception(broken_);
     } catch (const std::exception& e) {
       work->finish(std::make_exception_ptr(
-          CommError(fmt::format("shm {}: the group failed earlier and cannot be used; create a new group. "
+          CommError(fmt::format("{}: the group failed earlier and cannot be used; create a new group. "
                                 "The first failure: {}", what, e.what()))));
     }
     return work;
@@ -460,7 +465,7 @@ void ShmGroup::progress_loop() {
 
 void ShmGroup::execute(Task& t) noexcept {
   std::exception_ptr err;
-  {
+  if (broken_flag_.load(std::memory_order_acquire)) {
     std::lock_guard lock(q_mu_);
     err = broken_;
   }
@@ -482,6 +487,7 @@ void ShmGroup::execute(Task& t) noexcept {
     {
       std::lock_guard lock(q_mu_);
       if (!broken_) broken_ = e;
+      broken_flag_.store(true, std::memory_order_release);
     }
     t.work->finish(e);
   }
@@ -489,8 +495,7 @@ void ShmGroup::execute(Task& t) noexcept {
 
 void ShmGroup::run(Task& t) {
   reclaim_sends();
-  Ctx c{&t, t.desc(), {}, Clock::now() + timeout()};
-  c.what = t.work->description();
+  Ctx c{&t, t.desc(), t.work->description(), Clock::now() + timeout()};
   if (t.seq >= 0 && t.op != Op::barrier && c.desc.count == 0) {
     // Nothing to move; still numbered and announced so that later collectives line up.
     enter(c, 0);
@@ -525,20 +530,27 @@ void ShmGroup::publish(int64_t seq, uint32_t step) {
 template <class Pred>
 void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::string()>& what) {
   if (pred()) return;
-  if (spin_ns_ > 0) {
-    const auto spin_end = Clock::now() + std::chrono::nanoseconds(spin_ns_);
+  // Spin, then block. The spin budget adapts: it grows while peers keep arriving within it and
+  // shrinks when we end up blocking anyway (oversubscribed or loaded cores), where spinning only
+  // takes the core from the rank we wait for. After 2 us of pause-spinning we yield between checks.
+  {
+    const auto t0 = Clock::now();
+    const auto budget = std::chrono::nanoseconds(spin_budget_ns_);
     for (int i = 0;; ++i) {
       for (int k = 0; k < 16; ++k) {
         cpu_relax();
-        if (pred()) return;
+        if (pred()) {
+          spin_budget_ns_ = std::min<int64_t>(spin_ns_, spin_budget_ns_ * 2 + 1000);
+          return;
+        }
       }
-      if ((i & 15) == 0 && Clock::now() >= spin_end) break;
+      if ((i & 7) == 0) {
+        const auto spent = Clock::now() - t0;
+        if (spent >= budget) break;
+        if (spent > std::chrono::microseconds(2)) sched_yield();
+      }
     }
-  } else {
-    for (int i = 0; i < 8; ++i) {
-      sched_yield();
-      if (pred()) return;
-    }
+    spin_budget_ns_ = std::max<int64_t>(1000, spin_budget_ns_ / 2);
   }
   RankCtl& pc = ctl(p);
   auto next_check = Clock::now() + 20ms;
@@ -666,6 +678,14 @@ void ShmGroup::wait_all_final(Ctx& c) {
 }
 
 void ShmGroup::enter(Ctx& c, uint64_t code) {
+  // Bounded lead: collectives that need no peer (count 0, a broadcast root) could otherwise run
+  // arbitrarily far ahead and overwrite descriptors in recent[] that a slower rank still reads.
+  if (c.desc.seq >= kMaxLead) {
+    for (int i = 1; i < size(); ++i) {
+      const int p = (rank() + i) % size();
+      wait_progress(c, p, c.desc.seq - kMaxLead, 1, "to catch up: a rank runs at most 8 collectives ahead");
+    }
+  }
   Desc d = c.desc;
   d.code = code;
   ctl(rank()).recent[d.seq % kRecent] = d;
@@ -947,6 +967,7 @@ void ShmGroup::do_send(Ctx& c, Buffer buf, int dst, int tag) {
     off = *scratch_alloc(c, buf.nbytes());
     std::memcpy(heap_->base() + off, buf.data, buf.nbytes());
     pending_sends_[dst].push_back({idx, off});
+    ++pending_send_count_;
   }
   mb.msgs[idx % kMailDepth] = Msg{tag, buf.dtype, buf.count, off};
   mb.posted.store(idx + 1, std::memory_order_release);
@@ -978,12 +999,14 @@ void ShmGroup::do_recv(Ctx& c, Buffer buf, int src, int tag) {
 }
 
 void ShmGroup::reclaim_sends() noexcept {
+  if (pending_send_count_ == 0) return;
   for (int dst = 0; dst < size(); ++dst) {
     auto& v = pending_sends_[dst];
     if (v.empty()) continue;
     const uint64_t consumed = mailbox(rank(), dst).consumed.load(std::memory_order_acquire);
     size_t k = 0;
     while (k < v.size() && v[k].first < consumed) heap_->free(v[k++].second);
+    pending_send_count_ -= static_cast<int64_t>(k);
     v.erase(v.begin(), v.begin() + static_cast<ptrdiff_t>(k));
   }
 }
