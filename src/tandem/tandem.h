@@ -17,6 +17,7 @@
 #include "tandem/dist/error.h"
 #include "tandem/dist/store.h"
 #include "tandem/dist/tcp_store.h"
+#include "tandem/dist/metrics.h"
 #include "tandem/dist/process_group.h"
 #include "tandem/dist/spawn.h"
 #include "tandem/data/dataloader.h"

@@ -700,3 +700,13 @@ TEST(DDP, O2Bf16WeightsReduceInBf16AndMatchTheGlobalBatch) {
     }
   });
 }
+
+TEST(DDP, MetricHelpersAverageAScalarAndKnowTheMainProcess) {
+  on_ranks(3, [&](std::shared_ptr<ProcessGroup> group) {
+    const double mean = td::parallel::all_reduce_mean(group->rank() + 1.0, *group);
+    if (mean != 2.0) fail(fmt::format("all_reduce_mean gave {}, expected 2", mean));
+    const double tmean = td::parallel::all_reduce_mean(td::full({1}, 2.0 * group->rank(), td::kBFloat16), *group);
+    if (tmean != 2.0) fail(fmt::format("all_reduce_mean of a bf16 tensor gave {}, expected 2", tmean));
+    if (td::dist::is_main_process() != (group->rank() == 0)) fail("is_main_process is wrong");
+  });
+}

@@ -243,18 +243,6 @@ void DistributedDataParallel::check_replicas() {
 
 // ---- metric helpers ----
 
-double all_reduce_mean(double value, dist::ProcessGroup& group) {
-  Tensor t = tensor(std::vector<double>{value}, {1}, kFloat64);
-  group.all_reduce(t, dist::ReduceOp::SUM)->wait();
-  return t.data_ptr<double>()[0] / group.size();
-}
-
-double all_reduce_mean(const Tensor& scalar, dist::ProcessGroup& group) {
-  TANDEM_CHECK(scalar.numel() == 1, ValueError, "all_reduce_mean: expected a one-element tensor, got shape {}",
-               shape_str(scalar.shape()));
-  return all_reduce_mean(scalar.to(kFloat64).data_ptr<double>()[0], group);
-}
-
 std::function<bool(bool)> found_inf_reducer(std::shared_ptr<dist::ProcessGroup> group) {
   return [group](bool found) {
     Tensor t = tensor(std::vector<double>{found ? 1.0 : 0.0}, {1}, kUInt8);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/dist/metrics.h"
 #include "tandem/dist/process_group.h"
 #include "tandem/nn/module.h"
 #include "tandem/parallel/reducer.h"
@@ -98,10 +99,9 @@ class DistributedDataParallel : public nn::Module {
   const optim::Optimizer* optimizer_ = nullptr;
 };
 
-// ---- metric helpers ----
-// The mean over ranks of a scalar (e.g. the loss); collective.
-double all_reduce_mean(double value, dist::ProcessGroup& group);
-double all_reduce_mean(const Tensor& scalar, dist::ProcessGroup& group);
+// ---- metric helpers (dist/metrics.h) ----
+using dist::all_reduce_mean;
+using dist::print_rank0;
 // A found_inf reducer for amp::GradScaler: MAX over ranks, so every rank skips the same steps.
 std::function<bool(bool)> found_inf_reducer(std::shared_ptr<dist::ProcessGroup> group);
 
