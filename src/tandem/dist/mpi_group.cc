@@ -247,6 +247,11 @@ class MpiGroup final : public ProcessGroup {
     cv_.notify_all();
     for (auto& t : dropped) t.work->finish(std::make_exception_ptr(CommError(fmt::format("{}: not run: {}", t.work->description(), why))));
     if (watchdog_.joinable()) watchdog_.join();
+    {
+      // A collective still running in time is waited for (until its deadline), as c10d does.
+      std::unique_lock lock(mu_);
+      if (!broken_) cv_.wait_until(lock, running_deadline_, [&] { return running_ == nullptr; });
+    }
     bool inside_mpi;
     std::shared_ptr<Work> running;
     {
@@ -712,6 +717,7 @@ class MpiGroup final : public ProcessGroup {
           running_ = nullptr;
           timed_out = broken_;
         }
+        cv_.notify_all();  // shutdown may wait for this
         // After a timeout the watchdog has already failed this Work; a late success changes nothing.
         if (!timed_out) task.work->finish(error);
         if (error && !timed_out) mark_broken(fmt::format("{} failed", task.work->description()));
