@@ -399,7 +399,8 @@ std::vector<WorkerSpec> make_workers(const RunOptions& o, const JobInfo& job, in
 // keys, plus heartbeats so that a vanished launcher is noticed. With one node most of it is idle.
 class Coordinator {
  public:
-  Coordinator(dist::TCPStore& store, const RunOptions& o) : store_(store), o_(o) {}
+  // `store` is the launcher's owning pointer (the store may be replaced between attempts).
+  Coordinator(std::unique_ptr<dist::TCPStore>& store, const RunOptions& o) : store_(store), o_(o) {}
 
   static std::string key(int64_t attempt, const std::string& name) {
     return fmt::format("/tandem_run/attempt_{}/{}", attempt, name);
@@ -410,16 +411,16 @@ class Coordinator {
     if (o_.nnodes == 1) return;
     if (attempt == 0) {
       std::string mine = std::to_string(o_.nproc_per_node);
-      std::string agreed = dist::to_string(store_.compare_set("/tandem_run/nproc_per_node", {}, dist::to_bytes(mine)));
+      std::string agreed = dist::to_string(store_->compare_set("/tandem_run/nproc_per_node", {}, dist::to_bytes(mine)));
       TANDEM_CHECK(agreed == mine, UsageError,
                    "tandem run: node {} has --nproc-per-node {} but another node started with {}; every node must "
                    "use the same value", o_.node_rank, mine, agreed);
     }
-    TANDEM_CHECK(store_.add(key(attempt, fmt::format("node_{}", o_.node_rank)), 1) == 1, UsageError,
+    TANDEM_CHECK(store_->add(key(attempt, fmt::format("node_{}", o_.node_rank)), 1) == 1, UsageError,
                  "tandem run: two launchers joined with --node-rank {}; give each node its own rank", o_.node_rank);
-    if (store_.add(key(attempt, "joined"), 1) == o_.nnodes) store_.set(key(attempt, "all_joined"), "1");
+    if (store_->add(key(attempt, "joined"), 1) == o_.nnodes) store_->set(key(attempt, "all_joined"), "1");
     const auto deadline = Clock::now() + rdzv_timeout();
-    while (!store_.check({key(attempt, "all_joined")})) {
+    while (!store_->check({key(attempt, "all_joined")})) {
       if (int sig = wait_signal(signals, milliseconds(50)); sig != 0) {
         *stop_signal = sig;
         return;
@@ -427,7 +428,7 @@ class Coordinator {
       if (Clock::now() >= deadline) {
         std::string missing;
         for (int64_t r = 0; r < o_.nnodes; ++r) {
-          if (!store_.check({key(attempt, fmt::format("node_{}", r))})) missing += fmt::format(" {}", r);
+          if (!store_->check({key(attempt, fmt::format("node_{}", r))})) missing += fmt::format(" {}", r);
         }
         throw dist::Timeout(fmt::format(
             "tandem run: node(s){} did not join attempt {} within {} s; start `tandem run --nnodes {} --node-rank R` "
@@ -443,7 +444,7 @@ class Coordinator {
   void report_failure(int64_t attempt, const std::string& what) noexcept {
     if (o_.nnodes == 1) return;
     try {
-      store_.compare_set(key(attempt, "failed"), {}, dist::to_bytes(what));
+      store_->compare_set(key(attempt, "failed"), {}, dist::to_bytes(what));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tandem run: could not tell the other nodes: %s\n", e.what());
     }
@@ -456,23 +457,23 @@ class Coordinator {
     auto now = Clock::now();
     if (now >= next_heartbeat_) {
       next_heartbeat_ = now + std::min(milliseconds(1000), heartbeat_timeout() / 4);
-      store_.add(fmt::format("/tandem_run/heartbeat_{}", o_.node_rank), 1);
+      store_->add(fmt::format("/tandem_run/heartbeat_{}", o_.node_rank), 1);
       for (int64_t r = 0; r < o_.nnodes; ++r) {
         if (r == o_.node_rank) continue;
-        int64_t beat = store_.add(fmt::format("/tandem_run/heartbeat_{}", r), 0);
+        int64_t beat = store_->add(fmt::format("/tandem_run/heartbeat_{}", r), 0);
         auto& [last, since] = last_seen_[size_t(r)];
         if (beat != last) {
           last = beat;
           since = now;
         } else if (now - since > heartbeat_timeout() &&
-                   !store_.check({fmt::format("/tandem_run/exit_{}", r)})) {
+                   !store_->check({fmt::format("/tandem_run/exit_{}", r)})) {
           lost_node_ = true;
           return fmt::format("the launcher of node {} stopped answering (no heartbeat for {} s, --heartbeat-timeout)",
                              r, o_.heartbeat_timeout_s);
         }
       }
     }
-    if (store_.check({key(attempt, "failed")})) return dist::to_string(store_.get(key(attempt, "failed")));
+    if (store_->check({key(attempt, "failed")})) return dist::to_string(store_->get(key(attempt, "failed")));
     return std::nullopt;
   }
 
@@ -480,10 +481,10 @@ class Coordinator {
   // failed attempt k (`reason` says why). Driven by the other launchers (heartbeats bound it).
   bool wait_all_succeeded(int64_t attempt, SignalPipe& signals, int* stop_signal, std::string* reason) {
     if (o_.nnodes == 1) return true;
-    store_.set(key(attempt, fmt::format("succeeded_{}", o_.node_rank)), "1");
+    store_->set(key(attempt, fmt::format("succeeded_{}", o_.node_rank)), "1");
     std::vector<std::string> keys;
     for (int64_t r = 0; r < o_.nnodes; ++r) keys.push_back(key(attempt, fmt::format("succeeded_{}", r)));
-    while (!store_.check(keys)) {
+    while (!store_->check(keys)) {
       if (auto why = remote_stop(attempt)) {
         *reason = *why;
         return false;
@@ -502,14 +503,14 @@ class Coordinator {
     if (o_.nnodes == 1) return;
     try {
       if (o_.node_rank != 0) {
-        store_.set(fmt::format("/tandem_run/exit_{}", o_.node_rank), "1");
+        store_->set(fmt::format("/tandem_run/exit_{}", o_.node_rank), "1");
         return;
       }
       if (lost_node_) return;  // a vanished node will not say goodbye
       std::vector<std::string> keys;
       for (int64_t r = 1; r < o_.nnodes; ++r) keys.push_back(fmt::format("/tandem_run/exit_{}", r));
       auto deadline = Clock::now() + milliseconds(10000);
-      while (!store_.check(keys) && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(20));
+      while (!store_->check(keys) && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(20));
     } catch (const std::exception&) {
       // best effort: the job's outcome is already decided
     }
@@ -528,7 +529,7 @@ class Coordinator {
   milliseconds rdzv_timeout() const { return milliseconds(int64_t(o_.rdzv_timeout_s * 1000)); }
   milliseconds heartbeat_timeout() const { return milliseconds(int64_t(o_.heartbeat_timeout_s * 1000)); }
 
-  dist::TCPStore& store_;
+  std::unique_ptr<dist::TCPStore>& store_;
   const RunOptions& o_;
   Clock::time_point next_heartbeat_{};
   std::vector<std::pair<int64_t, Clock::time_point>> last_seen_;
@@ -574,20 +575,23 @@ int run(const RunOptions& o) {
   JobInfo job;
   std::unique_ptr<dist::TCPStore> store;
   const milliseconds store_timeout(10000);
-  if (o.node_rank == 0) {
-    const char* env_token = std::getenv("TANDEM_STORE_TOKEN");
-    job.token = (o.nnodes > 1 && env_token != nullptr) ? env_token : random_token();
+  auto host_store = [&](uint16_t port) {
     dist::TCPStoreOptions so;
     so.is_master = true;
     so.wait_for_workers = false;
     so.timeout = store_timeout;
     so.token = job.token;
     try {
-      store = std::make_unique<dist::TCPStore>("127.0.0.1", uint16_t(o.master_port), so);
+      return std::make_unique<dist::TCPStore>("127.0.0.1", port, so);
     } catch (const dist::CommError& e) {
       throw dist::CommError(fmt::format("cannot host the rendezvous store on port {}: {}; pick a free --master-port "
-                                        "or use --standalone", o.master_port, e.what()));
+                                        "or use --standalone", port, e.what()));
     }
+  };
+  if (o.node_rank == 0) {
+    const char* env_token = std::getenv("TANDEM_STORE_TOKEN");
+    job.token = (o.nnodes > 1 && env_token != nullptr) ? env_token : random_token();
+    store = host_store(uint16_t(o.master_port));
   } else {
     job.token = std::getenv("TANDEM_STORE_TOKEN");
     dist::TCPStoreOptions so;
@@ -617,7 +621,7 @@ int run(const RunOptions& o) {
     store->set_timeout(store_timeout);
   }
   job.port = store->port();
-  Coordinator coord(*store, o);
+  Coordinator coord(store, o);
 
   GroupConfig group;
   group.program_path = program_path;
@@ -630,6 +634,15 @@ int run(const RunOptions& o) {
   // ---- attempts ----
   std::string last_failure;
   for (int64_t attempt = 0; attempt <= o.max_restarts; ++attempt) {
+    if (attempt > 0 && o.nnodes == 1) {
+      // One node: a fresh store for every attempt, on the same port. The last attempt's workers are
+      // gone, and the restarted group must not find their keys, whatever prefix its rendezvous
+      // uses. (Across nodes the store carries the launchers' state too; there the workers' prefix
+      // "/worker/attempt_<k>/" of the contract above keeps attempts apart.)
+      const uint16_t port = store->port();
+      store.reset();
+      store = host_store(port);
+    }
     int stop_signal = 0;
     coord.rendezvous(attempt, signals, &stop_signal);
     if (stop_signal != 0) {
