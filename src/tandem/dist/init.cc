@@ -133,22 +133,36 @@ GroupState& state() {
   return *s;
 }
 
-// Every rank announces itself and waits for the others; a missing rank is named.
+// Every rank announces itself and waits for the others; a missing rank is named, also when the
+// store itself goes away meanwhile (rank 0, its host, gave up first).
 void rendezvous(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout) {
   store.set(fmt::format("{}/rank/{}", prefix, rank), fmt::format("{}", static_cast<long>(getpid())));
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/rank/{}", prefix, r));
-  try {
-    store.wait(keys, timeout);
-  } catch (const Timeout&) {
-    std::vector<int> missing;
-    for (int r = 0; r < size; ++r) {
-      if (!store.check({keys[r]})) missing.push_back(r);
+  const auto deadline = Clock::now() + timeout;
+  std::vector<int> missing;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
+      return;
+    } catch (const Timeout&) {
+      missing.clear();
+      for (int r = 0; r < size; ++r) {
+        if (!store.check({keys[r]})) missing.push_back(r);
+      }
+      if (Clock::now() < deadline) continue;
+      throw Timeout(fmt::format(
+          "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
+          "check that every rank was started with the same MASTER_ADDR/MASTER_PORT (or init_method) and world size",
+          fmt::join(missing, ", "), size, timeout.count(), rank));
+    } catch (const CommError& e) {
+      if (missing.empty()) throw;
+      throw CommError(fmt::format(
+          "init_process_group: rank {} lost the store while rank(s) {} of {} had not joined the rendezvous "
+          "(rank 0 hosts the store and gives up at its own timeout): {}",
+          rank, fmt::join(missing, ", "), size, e.what()));
     }
-    throw Timeout(fmt::format(
-        "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
-        "check that every rank was started with the same MASTER_ADDR/MASTER_PORT (or init_method) and world size",
-        fmt::join(missing, ", "), size, timeout.count(), rank));
   }
 }
 
@@ -169,6 +183,15 @@ std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, in
          "next to MASTER_ADDR, or pass init_method=\"tcp://host:port\"");
     host = env.master_addr;
     port = env.master_port;
+    // Under PyTorch's torchrun (static rendezvous) the agent already serves its own c10d store on
+    // MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), in c10d's wire protocol, not ours: rank 0
+    // hosts Tandem's store on the next port instead, a rule every rank derives alike.
+    const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    if (agent_store != nullptr && std::string(agent_store) == "True") {
+      TANDEM_CHECK(port < 65535, ValueError, "MASTER_PORT {} leaves no port after it for Tandem's store under torchrun",
+                   port);
+      ++port;
+    }
   } else if (m.rfind("tcp://", 0) == 0) {
     const std::string hp = m.substr(6);
     const size_t colon = hp.rfind(':');
@@ -187,7 +210,10 @@ std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, in
     throw ValueError(fmt::format("init_method '{}' is not supported: use env://, tcp://host:port or file:///path", m));
   }
   TCPStoreOptions so;
-  so.is_master = rank == 0;
+  // Under `tandem run` the launcher already hosts the store (TANDEM_STORE_HOSTED=1, see
+  // tools/run.cc): every rank, rank 0 too, is a client. Otherwise rank 0 hosts it, as in torch.
+  const char* hosted = std::getenv("TANDEM_STORE_HOSTED");
+  so.is_master = rank == 0 && !(hosted != nullptr && std::string(hosted) == "1");
   so.world_size = world_size;
   so.timeout = o.timeout;
   so.wait_for_workers = false;  // our own rendezvous names the missing ranks
