@@ -84,7 +84,13 @@ TEST(Autocast, Categories) {
   EXPECT_EQ(ops::cat({xb, xf}).dtype(), kFloat32);
   EXPECT_EQ(ops::cat({xb, xb}).dtype(), kBFloat16);
   EXPECT_EQ(ops::where(ops::gt(xf, 0.0), xb, xf).dtype(), kFloat32);
-  // not in the table: untouched
+  // not in the table: untouched. batch_norm keeps its input's dtype (statistics in f32 inside)
+  // and updates its f32 running statistics in place.
+  Tensor rm = zeros({3}), rv = ones({3});
+  const Tensor bn = ops::batch_norm(randn({4, 3, 5}).to(kBFloat16), rm, rv, ones({3}), zeros({3}), true);
+  EXPECT_EQ(bn.dtype(), kBFloat16);
+  EXPECT_EQ(rm.dtype(), kFloat32);
+  EXPECT_NE(rm.to_vector()[0], 0.0);
   EXPECT_EQ(ops::relu(xb).dtype(), kBFloat16);
   EXPECT_EQ(ops::relu(xf).dtype(), kFloat32);
 }

@@ -9,6 +9,11 @@
       out), "promote" (mixed in -> f32 out) or "none" (no cast on CPU). A combination torch
       rejects is recorded as "error"; an op this torch lacks as {"missing": true}.
 
+  amp_oracle.py deepspeed OUT_DIR STEPS SPEC HYSTERESIS CONSECUTIVE MIN_SCALE WINDOW INIT_POWER
+      DeepSpeed's DynamicLossScaler rule (fp16 config: hysteresis, consecutive_hysteresis,
+      min_loss_scale, loss_scale_window, initial_scale_power) over the same kind of SPEC
+      (steps that overflow); writes OUT_DIR/deepspeed.json with the scale used and after each step.
+
   amp_oracle.py scaler OUT_DIR STEPS SPEC
       The GradScaler scale sequence: SPEC is a comma-separated list of step:kind with kind inf
       or nan, the gradient that step holds. Writes OUT_DIR/scaler.json with, per step, the
@@ -56,6 +61,11 @@ def policy_cases():
         "cat": ((r(4, 8), r(4, 8)), lambda a, b: torch.cat([a, b])),
         "stack": ((r(4, 8), r(4, 8)), lambda a, b: torch.stack([a, b])),
         "where": ((r(4, 8), r(4, 8)), lambda a, b: torch.where(cond, a, b)),
+        # not in Tandem's table: no cast in either
+        "relu": ((r(4, 8),), lambda x: F.relu(x)),
+        "gelu": ((r(4, 8),), lambda x: F.gelu(x)),
+        "add": ((r(4, 8), r(4, 8)), lambda a, b: a + b),
+        "mul": ((r(4, 8), r(4, 8)), lambda a, b: a * b),
     }
 
 
@@ -139,10 +149,47 @@ def scaler(out_dir, steps, spec):
     return 0
 
 
+def deepspeed(out_dir, steps, spec, hysteresis, consecutive, min_scale, window, init_power):
+    """DeepSpeed's documented dynamic loss scaling (runtime/fp16/loss_scaler.py,
+    DynamicLossScaler.update_scale), written out here: an overflow either spends one unit of
+    hysteresis or, when none is left beyond the last, divides the scale by 2 (never below
+    min_loss_scale); a step without overflow doubles the scale when the number of iterations since
+    the last overflow is a multiple of loss_scale_window, refilling the hysteresis then (or on
+    every good step with consecutive_hysteresis)."""
+    bad = {int(item.split(":")[0]) for item in filter(None, spec.split(","))}
+    scale = float(2 ** init_power)
+    cur_hysteresis = hysteresis
+    last_overflow_iter = -1
+    rows = []
+    for it in range(steps):
+        used = scale
+        overflow = it in bad
+        if overflow:
+            if hysteresis == 1 or cur_hysteresis == 1:
+                scale = max(scale / 2.0, min_scale)
+            else:
+                cur_hysteresis -= 1
+            last_overflow_iter = it
+        else:
+            if consecutive:
+                cur_hysteresis = hysteresis
+            if (it - last_overflow_iter) % window == 0:
+                if not consecutive:
+                    cur_hysteresis = hysteresis
+                scale *= 2.0
+        rows.append({"step": it, "scale_used": used, "stepped": not overflow, "scale_after": scale})
+    with open(os.path.join(out_dir, "deepspeed.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     if mode == "policy":
         return policy(out_dir)
+    if mode == "deepspeed":
+        a = sys.argv
+        return deepspeed(out_dir, int(a[3]), a[4], int(a[5]), a[6] == "1", float(a[7]), int(a[8]), int(a[9]))
     if mode == "scaler":
         return scaler(out_dir, int(sys.argv[3]), sys.argv[4])
     print(f"amp_oracle.py: unknown mode {mode!r}", file=sys.stderr)

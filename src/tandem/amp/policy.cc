@@ -1,7 +1,9 @@
 // The precision policy table: the one place that decides which dtype each op computes in under
 // autocast. Categories follow PyTorch's CUDA autocast lists (DESIGN.md: reductions, softmax,
 // normalisation and losses in f32); see tests/oracle/amp_policy_oracle.py for how it compares
-// with torch's CPU autocast.
+// with torch's CPU autocast. Not in the table, on purpose: batch_norm (its kernel computes the
+// statistics in f32 from any input dtype and updates f32 running stats in place; PyTorch's CUDA
+// and CPU lists leave it out too) and elementwise add/sub/mul/div (they promote by themselves).
 #include "tandem/amp/policy.h"
 
 namespace tandem::amp {
@@ -20,7 +22,6 @@ const std::vector<PolicyEntry>& policy_table() {
       {Op::mse_loss, "mse_loss", P::fp32},
       {Op::layer_norm, "layer_norm", P::fp32},
       {Op::group_norm, "group_norm", P::fp32},
-      {Op::batch_norm, "batch_norm", P::fp32},
       {Op::sum, "sum", P::fp32},
       {Op::mean, "mean", P::fp32},
       {Op::exp, "exp", P::fp32},

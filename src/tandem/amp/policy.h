@@ -25,7 +25,7 @@ enum class CastPolicy : uint8_t {
 enum class Op : uint8_t {
   matmul, linear, conv2d, scaled_dot_product_attention,                           // lower precision
   softmax, log_softmax, cross_entropy, nll_loss, mse_loss, layer_norm, group_norm,  // f32
-  batch_norm, sum, mean, exp, log, pow,                                           // f32
+  sum, mean, exp, log, pow,                                                       // f32
   cat, stack, where,                                                              // promote
   kCount
 };

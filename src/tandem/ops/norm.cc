@@ -144,10 +144,6 @@ void check_param(const Tensor& t, int64_t C, const char* what, const char* op) {
 
 Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum, double eps) {
-  if (amp::autocast_active()) return amp::autocast_call(amp::Op::batch_norm,
-        // running statistics are updated in place: never cast (a cast would update a copy)
-        [&](const Tensor& x, const Tensor& w, const Tensor& b) { return batch_norm(x, running_mean, running_var, w, b, training, momentum, eps); },
-        x_in, weight, bias);
   TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "batch_norm: expected an input of shape (N, C, *), got {}",
                shape_str(x_in.shape()));
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "batch_norm: expected a floating input, got {}",
