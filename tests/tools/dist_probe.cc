@@ -1,7 +1,11 @@
 // A real Tandem worker for the `tandem run` tests: init_process_group("env://") on the launcher's
 // hosted store, one all_reduce checked against its closed form, and optionally a failure after
 // it (so a restarted group meets a store that still holds the first attempt's keys).
-// usage: dist_probe BACKEND [FAIL_RANK_ON_ATTEMPT_0]
+// usage: dist_probe BACKEND [FAIL_RANK_ON_ATTEMPT_0 [kill]]
+//   kill: all ranks loop on all_reduce and FAIL_RANK kills itself (SIGKILL) at iteration 20.
+#include <signal.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -31,6 +35,13 @@ int main(int argc, char** argv) {
     }
     std::printf("allreduce ok attempt=%d world=%d sum=%g\n", attempt, world, double(expected));
     std::fflush(stdout);
+    if (argc > 3 && std::string(argv[3]) == "kill") {
+      for (int i = 0; i < 100000; ++i) {
+        if (i == 20 && rank == fail_rank) kill(getpid(), SIGKILL);
+        pg->all_reduce(dist::Buffer{x, 5, tandem::DType::f32})->wait();
+      }
+      return 0;
+    }
     if (attempt == 0 && rank == fail_rank) return 3;  // fails after the collective: its keys stay behind
     dist::barrier();
     dist::destroy_process_group();

@@ -31,5 +31,14 @@ TEST(RunDist, ARestartedGroupRendezvousesAgainOnTheSameStore) {
   EXPECT_NE(r.out.find("[rank1]: allreduce ok attempt=1 world=2 sum=3"), std::string::npos) << r.out;
 }
 
+TEST(RunDist, ARankKilledDuringAllReduceLoopIsNamedAndTheJobFails) {
+  ProcResult r = run_process(
+      {kTandem, "run", "--standalone", "--nproc-per-node", "3", kDistProbe, "shm", "1", "kill"}, launcher_env(), 60);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_LT(r.seconds, 15.0);
+  EXPECT_NE(r.err.find("rank 1 (local rank 1 on node 0"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("failed with signal 9 (SIGKILL)"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace tandem::testing
