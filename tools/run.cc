@@ -439,11 +439,13 @@ class Coordinator {
     last_seen_.assign(size_t(o_.nnodes), {-1, Clock::now()});
   }
 
-  // Publishes this node's failure of attempt k (the first report wins). Best effort: a lost
-  // store is reported, and the other nodes notice the missing heartbeats.
-  void report_failure(int64_t attempt, const std::string& what) noexcept {
+  // Publishes this node's failure of attempt k (the first report wins); `abort`: the job ends
+  // without restarts (a launcher was interrupted). Best effort: a lost store is reported, and the
+  // other nodes notice the missing heartbeats.
+  void report_failure(int64_t attempt, const std::string& what, bool abort = false) noexcept {
     if (o_.nnodes == 1) return;
     try {
+      if (abort) store_->set("/tandem_run/abort", "1");
       store_->compare_set(key(attempt, "failed"), {}, dist::to_bytes(what));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tandem run: could not tell the other nodes: %s\n", e.what());
@@ -467,13 +469,16 @@ class Coordinator {
           since = now;
         } else if (now - since > heartbeat_timeout() &&
                    !store_->check({fmt::format("/tandem_run/exit_{}", r)})) {
-          lost_node_ = true;
+          fatal_ = true;
           return fmt::format("the launcher of node {} stopped answering (no heartbeat for {} s, --heartbeat-timeout)",
                              r, o_.heartbeat_timeout_s);
         }
       }
     }
-    if (store_->check({key(attempt, "failed")})) return dist::to_string(store_->get(key(attempt, "failed")));
+    if (store_->check({key(attempt, "failed")})) {
+      if (store_->check({"/tandem_run/abort"})) fatal_ = true;
+      return dist::to_string(store_->get(key(attempt, "failed")));
+    }
     return std::nullopt;
   }
 
@@ -506,7 +511,7 @@ class Coordinator {
         store_->set(fmt::format("/tandem_run/exit_{}", o_.node_rank), "1");
         return;
       }
-      if (lost_node_) return;  // a vanished node will not say goodbye
+      if (fatal_) return;  // a vanished or interrupted node may not say goodbye
       std::vector<std::string> keys;
       for (int64_t r = 1; r < o_.nnodes; ++r) keys.push_back(fmt::format("/tandem_run/exit_{}", r));
       auto deadline = Clock::now() + milliseconds(10000);
@@ -516,7 +521,8 @@ class Coordinator {
     }
   }
 
-  bool lost_node() const { return lost_node_; }
+  // Whether the job must end without restarts: a node vanished or its launcher was interrupted.
+  bool fatal() const { return fatal_; }
 
   // Waits up to `d` for a terminating signal; returns it or 0.
   static int wait_signal(SignalPipe& signals, milliseconds d) {
@@ -533,7 +539,7 @@ class Coordinator {
   const RunOptions& o_;
   Clock::time_point next_heartbeat_{};
   std::vector<std::pair<int64_t, Clock::time_point>> last_seen_;
-  bool lost_node_ = false;
+  bool fatal_ = false;
 };
 
 // ---- reporting ----
@@ -657,7 +663,8 @@ int run(const RunOptions& o) {
     using Kind = AttemptResult::Kind;
     if (r.kind == Kind::kInterrupted) {
       say(fmt::format("got {}; forwarded it to the workers and stopped them", signal_name(r.signal)));
-      coord.report_failure(attempt, fmt::format("the launcher of node {} got {}", o.node_rank, signal_name(r.signal)));
+      coord.report_failure(attempt, fmt::format("the launcher of node {} got {}", o.node_rank, signal_name(r.signal)),
+                           /*abort=*/true);
       coord.finish();
       return signal_exit_code(r.signal);
     }
@@ -683,7 +690,7 @@ int run(const RunOptions& o) {
     } else {
       last_failure = r.remote_reason;
       say(fmt::format("stopped the workers of node {}: {}", o.node_rank, r.remote_reason));
-      if (coord.lost_node()) break;  // a vanished node cannot rejoin a restart
+      if (coord.fatal()) break;  // a vanished or interrupted node will not rejoin a restart
     }
     if (attempt < o.max_restarts)
       say(fmt::format("restarting the worker group (restart {} of --max-restarts {})", attempt + 1, o.max_restarts));

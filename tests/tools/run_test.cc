@@ -535,6 +535,27 @@ TEST(Run, ANodeWhoseLauncherDiesIsNamedByTheOthers) {
   EXPECT_TRUE(all_gone_within(worker_pids(n1.out()), 5.0));
 }
 
+TEST(Run, AnInterruptedNodeEndsTheJobOnEveryNodeWithoutRestarts) {
+  const std::string port = std::to_string(free_port());
+  auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
+  auto node = [&](int r) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
+                "--max-restarts", "3", "--rdzv-timeout", "15"},
+               {"out:ready", "sleep:30000"});
+  };
+  Subprocess n0(node(0), env);
+  Subprocess n1(node(1), env);
+  ASSERT_TRUE(n0.wait_for_stdout("ready", 1, 15)) << n0.out();
+  ASSERT_TRUE(n1.wait_for_stdout("ready", 1, 15)) << n1.out();
+  n1.signal(SIGINT);
+  ProcResult r1 = n1.wait(10), r0 = n0.wait(10);
+  EXPECT_EQ(r1.exit_code, 128 + SIGINT) << r1.err;
+  EXPECT_EQ(r0.exit_code, 1) << r0.err;
+  EXPECT_LT(r0.seconds, 8.0);
+  EXPECT_CONTAINS(r0.err, "the launcher of node 1 got SIGINT");
+  EXPECT_NOT_CONTAINS(r0.err, "restarting");
+}
+
 TEST(Run, ANodeWithTheWrongTokenFailsAtOnceNamingIt) {
   const std::string port = std::to_string(free_port());
   auto node = [&](int r) {
