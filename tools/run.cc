@@ -56,8 +56,8 @@ WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT) plus TANDEM_STORE_TOKEN, TANDEM_STORE_HOSTED=1 and
 TANDEM_NUM_THREADS/OMP_NUM_THREADS (kept when already set), and hosts the rendezvous store.
 Output lines are prefixed "[rank<N>]: "; workers read stdin from /dev/null and get SIGKILL if
-the launcher dies. When a worker fails the others are stopped, the failure
-is reported with the worker's last stderr lines, and the group restarts up to --max-restarts times.
+the launcher dies. When a worker fails the others are stopped, the failure is reported with the
+worker's last stderr lines, and the group restarts up to --max-restarts times.
 
 options (torchrun's underscore spellings and --opt=value also work):
   --nproc-per-node N     workers on this node (an integer, or "auto"/"cpu": one per allowed core) [1]
