@@ -8,5 +8,6 @@ namespace tandem::tools {
 int run_main(int argc, char** argv);              // tandem run: torchrun-compatible launcher (run.cc)
 int bench_allreduce_main(int argc, char** argv);  // tandem bench allreduce (bench_allreduce.cc)
 int env_main(int argc, char** argv);              // tandem env: what this machine and build offer (env.cc)
+int train_main(int argc, char** argv);            // tandem train: the config-driven training job (train.cc)
 
 }  // namespace tandem::tools

@@ -20,6 +20,7 @@ struct Command {
 constexpr Command kCommands[] = {
     {"run", tandem::tools::run_main, "launch N worker processes per node (torchrun-compatible)"},
     {"bench allreduce", tandem::tools::bench_allreduce_main, "time all_reduce over sizes (nccl-tests style rows)"},
+    {"train", tandem::tools::train_main, "train a model from a JSON config (DeepSpeed keys), resumable"},
     {"env", tandem::tools::env_main, "what this machine and build offer (CPU features, cores, backends)"},
 };
 

@@ -1,0 +1,526 @@
+// The training loop behind `tandem train`. Set-up first (process group, data, model, optimizer,
+// precision, DDP, schedule, resume), then the loop, which reads top to bottom like the STYLE
+// sketch: micro-batches under no_sync except the last, unscale, clip, step, update; diagnostics
+// below the step.
+#include "tandem/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <optional>
+
+#include "tandem/amp/autocast.h"
+#include "tandem/amp/grad_scaler.h"
+#include "tandem/amp/initialize.h"
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/core/allocator.h"
+#include "tandem/core/error.h"
+#include "tandem/core/parallel.h"
+#include "tandem/core/rng.h"
+#include "tandem/data/dataloader.h"
+#include "tandem/data/sampler.h"
+#include "tandem/data/text.h"
+#include "tandem/data/vision.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/nn/models/cnn.h"
+#include "tandem/nn/models/gpt.h"
+#include "tandem/nn/models/mlp.h"
+#include "tandem/nn/models/resnet.h"
+#include "tandem/ops/elementwise.h"
+#include "tandem/ops/loss.h"
+#include "tandem/ops/reduce.h"
+#include "tandem/optim/adam.h"
+#include "tandem/optim/lr_scheduler.h"
+#include "tandem/optim/sgd.h"
+#include "tandem/parallel/ddp.h"
+#include "tandem/train/checkpoint.h"
+#include "tandem/train/metrics.h"
+
+namespace tandem::train {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// ---- data ----
+struct Data {
+  std::unique_ptr<data::Dataset> train, eval;
+  bool text = false;           // gpt on byte/token windows
+  int64_t in_channels = 1, image_pixels = 0;
+};
+
+Data make_data(const Config& c) {
+  Data d;
+  const DataConfig& dc = c.data;
+  if (dc.name == "fashion_mnist") {
+    const data::FashionMNIST::Options o{.root = dc.path, .mean = data::FashionMNIST::kMean, .std = data::FashionMNIST::kStd};
+    d.train = std::make_unique<data::FashionMNIST>("train", o);
+    d.eval = std::make_unique<data::FashionMNIST>("test", o);
+    d.in_channels = 1, d.image_pixels = 28 * 28;
+  } else if (dc.name == "cifar10") {
+    TANDEM_CHECK(!dc.path.empty(), ValueError, "config: data \"cifar10\" needs \"data.path\" (the cifar-10-batches-bin directory)");
+    const data::CIFAR10::Options o{.mean = data::CIFAR10::kMean, .std = data::CIFAR10::kStd};
+    d.train = std::make_unique<data::CIFAR10>(dc.path, true, o);
+    d.eval = std::make_unique<data::CIFAR10>(dc.path, false, o);
+    d.in_channels = 3, d.image_pixels = 3 * 32 * 32;
+  } else {
+    d.text = true;
+    const int64_t T = c.model.context;
+    // Held-out windows: the same corpus with another window seed (the corpora here have no split).
+    const int64_t eval_windows = dc.eval_samples > 0 ? dc.eval_samples : 64;
+    if (dc.name == "text") {
+      const std::string path = dc.path.empty() ? data::TextBytes::kDefaultCorpus : dc.path;
+      d.train = std::make_unique<data::TextBytes>(std::vector<std::string>{path}, T, c.seed, dc.samples_per_epoch);
+      d.eval = std::make_unique<data::TextBytes>(std::vector<std::string>{path}, T, c.seed ^ 0x5eedull, eval_windows);
+    } else {
+      d.train = std::make_unique<data::TokenFile>(dc.path, T, c.seed, dc.samples_per_epoch);
+      d.eval = std::make_unique<data::TokenFile>(dc.path, T, c.seed ^ 0x5eedull, eval_windows);
+    }
+  }
+  return d;
+}
+
+// ---- model ----
+std::shared_ptr<nn::Module> make_model(const Config& c, const Data& d) {
+  const ModelConfig& m = c.model;
+  if (m.name == "mlp") return nn::models::mlp({.in_features = d.image_pixels, .hidden = m.hidden, .num_classes = m.num_classes});
+  if (m.name == "cnn") return nn::models::cnn({.in_channels = d.in_channels, .num_classes = m.num_classes});
+  if (m.name == "resnet18") return nn::models::resnet18({.in_channels = d.in_channels, .num_classes = m.num_classes});
+  return nn::models::gpt(
+      {.vocab_size = m.vocab_size, .context = m.context, .n_layer = m.n_layer, .d_model = m.d_model, .n_head = m.n_head});
+}
+
+std::unique_ptr<optim::Optimizer> make_optimizer(const Config& c, const std::vector<Tensor>& params) {
+  const OptimizerConfig& o = c.optimizer;
+  if (o.type == "SGD") {
+    return std::make_unique<optim::SGD>(params, optim::SGDOptions{.lr = o.lr, .momentum = o.momentum,
+                                                                  .weight_decay = o.weight_decay, .nesterov = o.nesterov});
+  }
+  const optim::AdamOptions a{.lr = o.lr, .beta1 = o.betas[0], .beta2 = o.betas[1], .eps = o.eps, .weight_decay = o.weight_decay};
+  if (o.type == "Adam") return std::make_unique<optim::Adam>(params, a);
+  return std::make_unique<optim::AdamW>(params, a);
+}
+
+// DeepSpeed's schedules over the optimizer's lr (SchedulerConfig::lr_at).
+class DeepSpeedSchedule : public optim::LRScheduler {
+ public:
+  DeepSpeedSchedule(optim::Optimizer& opt, SchedulerConfig s, int64_t total) : LRScheduler(opt), s_(std::move(s)), total_(total) {}
+
+ protected:
+  double lr_at(double base, int64_t step) const override { return s_.lr_at(step, base, total_); }
+
+ private:
+  SchedulerConfig s_;
+  int64_t total_;
+};
+
+// ---- precision: fp32 / autocast (+ GradScaler for fp16) / amp opt levels ----
+struct Precision {
+  DType low = kFloat32;                     // the autocast / model dtype; f32 = none
+  std::unique_ptr<amp::Amp> amp;            // amp.opt_level set
+  std::unique_ptr<amp::GradScaler> scaler;  // fp16 without an opt level
+  std::string describe;
+
+  amp::autocast guard() const {
+    if (amp) return amp->forward_autocast();
+    return amp::autocast({.dtype = low == kFloat32 ? kBFloat16 : low, .enabled = low != kFloat32});
+  }
+  Tensor input(const Tensor& x) const { return amp ? amp->cast_input(x) : x; }
+  double loss_scale() const { return amp ? amp->get_scale() : scaler ? scaler->get_scale() : 1.0; }
+};
+
+amp::GradScalerOptions scaler_options(const Config& c, const std::shared_ptr<dist::ProcessGroup>& pg, std::FILE* out) {
+  const Fp16Config& f = c.fp16;
+  amp::GradScalerOptions o;
+  if (f.loss_scale > 0) {
+    o.dynamic = false;
+    o.init_scale = f.loss_scale;
+  } else {
+    o.initial_scale_power = f.initial_scale_power;
+  }
+  o.growth_interval = f.loss_scale_window;
+  o.hysteresis = f.hysteresis;
+  o.min_loss_scale = f.min_loss_scale;
+  o.provenance = true;
+  o.log = [out](const std::string& line) {
+    std::fprintf(out, "\r%s\n", line.c_str());
+    std::fflush(out);
+  };
+  if (pg) {
+    o.found_inf_reducer = parallel::found_inf_reducer(pg);
+    o.rank = pg->rank();
+  }
+  return o;
+}
+
+// The loss of one batch: cross entropy over classes, or over every position for a language model.
+Tensor batch_loss(nn::Module& model, const Tensor& x, const Tensor& y, bool text) {
+  Tensor logits = model(x);
+  if (text) return ops::cross_entropy(logits.view({-1, logits.size(-1)}), y.reshape({-1}));
+  return ops::cross_entropy(logits, y);
+}
+
+struct EvalResult {
+  double loss = 0, accuracy = -1;
+};
+
+// Evaluates `model` (the plain module, never DDP: rank 0 alone runs it) on up to `limit` examples.
+EvalResult evaluate(nn::Module& model, const data::Dataset& ds, const Precision& prec, bool text, int64_t limit) {
+  const int64_t n = limit > 0 ? std::min(limit, ds.size()) : ds.size();
+  model.eval();
+  NoGradGuard no_grad;
+  EvalResult r;
+  int64_t correct = 0, seen = 0;
+  double loss_sum = 0;
+  const int64_t bs = text ? 16 : 500;
+  std::vector<int64_t> idx;
+  for (int64_t start = 0; start < n; start += bs) {
+    const int64_t len = std::min(bs, n - start);
+    idx.resize(static_cast<size_t>(len));
+    std::iota(idx.begin(), idx.end(), start);
+    const data::Batch b = ds.get_batch(idx);
+    auto cast = prec.guard();
+    const Tensor x = prec.input(b[0]);
+    Tensor logits = model(x);
+    if (text) {
+      loss_sum += ops::cross_entropy(logits.view({-1, logits.size(-1)}), b[1].reshape({-1})).item() * static_cast<double>(len);
+    } else {
+      loss_sum += ops::cross_entropy(logits, b[1]).item() * static_cast<double>(len);
+      correct += ops::count_equal(ops::argmax(logits, 1), b[1]);
+    }
+    seen += len;
+  }
+  model.train();
+  r.loss = loss_sum / static_cast<double>(std::max<int64_t>(1, seen));
+  if (!text) r.accuracy = static_cast<double>(correct) / static_cast<double>(std::max<int64_t>(1, seen));
+  return r;
+}
+
+std::vector<Tensor> optimizer_params(const optim::Optimizer& opt) {
+  std::vector<Tensor> out;
+  for (const auto& g : opt.param_groups()) out.insert(out.end(), g.params.begin(), g.params.end());
+  return out;
+}
+
+}  // namespace
+
+json TrainSummary::to_json() const {
+  json j = {{"steps", steps},
+            {"skipped_steps", skipped_steps},
+            {"final_loss", final_loss},
+            {"samples_per_s", samples_per_s},
+            {"peak_bytes", peak_bytes},
+            {"train_seconds", train_seconds},
+            {"loss_scale", loss_scale},
+            {"precision", precision},
+            {"world_size", world_size},
+            {"batch_size", batch_size},
+            {"epochs", epochs},
+            {"threads", threads},
+            {"interrupted", interrupted},
+            {"last_checkpoint", last_checkpoint}};
+  if (test_accuracy >= 0) j["test_accuracy"] = test_accuracy;
+  if (eval_loss >= 0) j["eval_loss"] = eval_loss;
+  if (tokens_per_s > 0) j["tokens_per_s"] = tokens_per_s;
+  return j;
+}
+
+TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
+  // =========================== set-up ===========================
+  // ---- process group (only when launched with WORLD_SIZE > 1) ----
+  const dist::LaunchEnv env = dist::read_launch_env();
+  const int world = std::max(1, env.world_size);
+  TANDEM_CHECK(world == cfg.world_size, ValueError,
+               "train: the config was resolved for world size {}, but this launch has WORLD_SIZE {}", cfg.world_size, world);
+  std::shared_ptr<dist::ProcessGroup> pg;
+  if (world > 1) {
+    dist::InitOptions io;
+    io.backend = cfg.dist.backend;
+    io.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
+    pg = dist::is_initialized() ? dist::default_group() : dist::init_process_group(io);
+  }
+  const int rank = pg ? pg->rank() : 0;
+  const bool main_rank = rank == 0;
+  set_num_threads(static_cast<int>(cfg.train.threads));
+  manual_seed(cfg.seed);
+
+  // ---- data: each rank its DistributedSampler share, micro-batches of train_micro_batch_size_per_gpu ----
+  const Data data = make_data(cfg);
+  data::DistributedSampler sampler(data.train->size(),
+                                   {.num_replicas = world, .rank = rank, .shuffle = true, .seed = cfg.seed, .drop_last = true});
+  data::DataLoader loader(*data.train, {.batch_size = cfg.train_micro_batch_size_per_gpu,
+                                        .sampler = &sampler,
+                                        .drop_last = true,
+                                        .num_workers = cfg.data.num_workers});
+  const int64_t gas = cfg.gradient_accumulation_steps;
+  TANDEM_CHECK(loader.size() >= 1, ValueError,
+               "train: the dataset has {} examples, fewer than one micro-batch of {} per rank on {} ranks", data.train->size(),
+               cfg.train_micro_batch_size_per_gpu, world);
+  const int64_t steps_per_epoch = std::max<int64_t>(1, loader.size() / gas);
+  const int64_t total_steps = cfg.train.steps > 0 ? cfg.train.steps : cfg.train.epochs * steps_per_epoch;
+
+  // ---- model, optimizer, precision, DDP ----
+  std::shared_ptr<nn::Module> model = make_model(cfg, data);
+  std::unique_ptr<optim::Optimizer> opt = make_optimizer(cfg, model->parameters());
+  Precision prec;
+  prec.low = cfg.bf16 ? kBFloat16 : cfg.fp16.enabled ? kFloat16 : kFloat32;
+  if (!cfg.opt_level.empty() && cfg.opt_level != "O0") {
+    amp::InitializeOptions io;
+    io.opt_level = cfg.opt_level;
+    io.dtype = prec.low;
+    io.scaler = scaler_options(cfg, pg, opts.out);
+    if (prec.low == kFloat16 && cfg.fp16.loss_scale > 0) io.loss_scale = fmt::format("{}", cfg.fp16.loss_scale);
+    prec.amp = amp::initialize(*model, *opt, io);
+    prec.describe = fmt::format("{} amp {}", prec.low == kBFloat16 ? "bf16" : "fp16", cfg.opt_level);
+  } else if (prec.low == kFloat16) {
+    prec.scaler = std::make_unique<amp::GradScaler>(scaler_options(cfg, pg, opts.out));
+    prec.describe = "fp16 autocast + GradScaler";
+  } else {
+    prec.describe = prec.low == kBFloat16 ? "bf16 autocast" : "fp32";
+  }
+  std::shared_ptr<parallel::DistributedDataParallel> ddp;
+  if (pg) {
+    ddp = std::make_shared<parallel::DistributedDataParallel>(model, pg);
+    ddp->attach_optimizer(opt.get());
+  }
+  nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
+  DeepSpeedSchedule schedule(*opt, cfg.scheduler, total_steps);
+
+  // ---- resume ----
+  const std::string ckpt_root = opts.out_dir + "/checkpoints";
+  const CheckpointTarget target{model.get(), opt.get(), prec.amp.get()};
+  int64_t step = 0, skipped = 0;
+  std::string resumed_from;
+  if (!opts.resume.empty()) {
+    std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
+    if (dir) {
+      const CheckpointState st = load_checkpoint(*dir, target);
+      step = st.step;
+      if (prec.scaler) prec.scaler->load_state_dict(st.scaler);
+      loader.load_state({st.epoch, st.batches_consumed});
+      schedule.set_last_step(st.scheduler_step);
+      default_generator().manual_seed(st.rng_seed);
+      default_generator().set_offset(st.rng_offset);
+      skipped = st.extra.value("skipped_steps", int64_t{0});
+      resumed_from = *dir;
+    }
+  }
+  if (resumed_from.empty()) schedule.set_last_step(0);
+
+  // ---- outputs (rank 0) ----
+  std::unique_ptr<JsonlWriter> jsonl;
+  std::unique_ptr<TensorBoardWriter> tb;
+  std::optional<Progress> progress;
+  if (main_rank) {
+    fs::create_directories(opts.out_dir);
+    if (cfg.log.jsonl) jsonl = std::make_unique<JsonlWriter>(opts.out_dir + "/metrics.jsonl");
+    if (cfg.log.tensorboard) tb = std::make_unique<TensorBoardWriter>(opts.out_dir + "/tensorboard");
+    progress.emplace(total_steps, cfg.log.progress, cfg.steps_per_print, opts.out);
+    progress->message(fmt::format(
+        "tandem train: {} ({} parameters) on {} ({} train examples), {} x {} micro-batch x {} accumulation = batch {}, "
+        "{} steps, {}{}",
+        cfg.model.name, model->num_parameters(), cfg.data.name, data.train->size(), world, cfg.train_micro_batch_size_per_gpu,
+        gas, cfg.train_batch_size, total_steps, prec.describe,
+        resumed_from.empty() ? "" : fmt::format(", resumed from {} at step {}", resumed_from, step)));
+  }
+
+  TrainSummary sum;
+  sum.precision = prec.describe;
+  sum.world_size = world;
+  sum.batch_size = cfg.train_batch_size;
+  sum.threads = static_cast<int>(cfg.train.threads);
+
+  double overhead_s = 0;  // checkpoints and evaluations, left out of train_seconds
+  const auto save = [&](int64_t at_step) {
+    const auto t0 = Clock::now();
+    // Every rank holds the same state (DDP); rank 0 writes it, the others wait for it.
+    if (main_rank) {
+      CheckpointState st;
+      st.step = at_step;
+      const data::DataLoaderState ls = loader.state();
+      st.epoch = ls.epoch;
+      st.batches_consumed = ls.batches_consumed;
+      st.scheduler_step = schedule.last_step();
+      st.rng_seed = default_generator().seed();
+      st.rng_offset = default_generator().offset();
+      if (prec.scaler) st.scaler = prec.scaler->state_dict();
+      st.config = cfg.source;
+      st.extra = {{"skipped_steps", skipped}, {"world_size", world}};
+      sum.last_checkpoint = save_checkpoint(ckpt_root, target, st, cfg.train.keep_last);
+    }
+    if (pg) pg->barrier()->wait();
+    overhead_s += seconds_since(t0);
+  };
+  const auto run_eval = [&](int64_t at_step) {
+    if (!main_rank) return;
+    const auto t0 = Clock::now();
+    const EvalResult e = evaluate(*model, *data.eval, prec, data.text, cfg.data.eval_samples);
+    sum.eval_loss = e.loss;
+    sum.test_accuracy = e.accuracy;
+    json rec = {{"step", at_step}, {"eval_loss", e.loss}};
+    std::string line = fmt::format("eval step {}: loss {:.4f}", at_step, e.loss);
+    if (e.accuracy >= 0) {
+      rec["test_accuracy"] = e.accuracy;
+      line += fmt::format("  accuracy {:.4f}", e.accuracy);
+    }
+    if (jsonl) jsonl->write(rec);
+    if (tb) {
+      std::vector<std::pair<std::string, double>> v = {{"eval/loss", e.loss}};
+      if (e.accuracy >= 0) v.emplace_back("eval/accuracy", e.accuracy);
+      tb->add_scalars(v, at_step);
+    }
+    progress->message(line);
+    overhead_s += seconds_since(t0);
+  };
+
+  // =========================== the loop ===========================
+  const std::vector<Tensor> opt_params = optimizer_params(*opt);
+  std::optional<data::DataLoader::Iterator> it;
+  std::deque<double> last_losses;
+  reset_peak_allocated_bytes();
+  const auto t_start = Clock::now();
+  const int64_t first_step = step;
+  const int64_t tokens_per_sample = data.text ? cfg.model.context : 0;
+  while (step < total_steps) {
+    const auto t_step = Clock::now();
+    double data_wait = 0, loss_sum = 0;
+    // ---- forward + backward over the micro-batches; DDP reduces on the last one only ----
+    opt->zero_grad();
+    for (int64_t micro = 0; micro < gas; ++micro) {
+      const auto t_data = Clock::now();
+      if (!it || *it == std::default_sentinel) {
+        if (it) loader.set_epoch(loader.epoch() + 1);  // the previous pass ended
+        it.emplace(loader.begin());
+        if (*it == std::default_sentinel) {  // a resumed state at the very end of its epoch
+          loader.set_epoch(loader.epoch() + 1);
+          it.emplace(loader.begin());
+        }
+      }
+      data::Batch batch = **it;
+      ++*it;
+      data_wait += seconds_since(t_data);
+      std::optional<parallel::DistributedDataParallel::NoSyncGuard> no_sync;
+      if (ddp && micro + 1 < gas) no_sync.emplace(*ddp);
+      Tensor loss;
+      {
+        auto cast = prec.guard();
+        loss = batch_loss(net, prec.input(batch[0]), batch[1], data.text);
+      }
+      loss_sum += loss.item();
+      const Tensor scaled_for_accum = gas > 1 ? loss / static_cast<double>(gas) : loss;
+      if (prec.amp) {
+        prec.amp->scale(scaled_for_accum).backward();
+      } else if (prec.scaler) {
+        prec.scaler->scale(scaled_for_accum).backward();
+      } else {
+        scaled_for_accum.backward();
+      }
+    }
+    // ---- unscale, clip, step, update ----
+    bool stepped = true;
+    double grad_norm = 0;
+    const double max_norm = cfg.gradient_clipping > 0 ? cfg.gradient_clipping : std::numeric_limits<double>::infinity();
+    if (prec.amp) {
+      const bool overflow = prec.amp->unscale_and_check();
+      grad_norm = overflow ? std::numeric_limits<double>::quiet_NaN() : optim::clip_grad_norm_(opt_params, max_norm);
+      opt->step();  // a no-op after an overflow (amp dropped the gradients)
+      stepped = !overflow;
+    } else if (prec.scaler) {
+      prec.scaler->unscale_(*opt);
+      grad_norm = optim::clip_grad_norm_(opt_params, max_norm);
+      stepped = prec.scaler->step(*opt);
+      prec.scaler->update();
+    } else {
+      grad_norm = optim::clip_grad_norm_(opt_params, max_norm);
+      opt->step();
+    }
+    const double lr = opt->param_groups()[0].options.at("lr");
+    schedule.step();
+    ++step;
+    if (!stepped) ++skipped;
+
+    // ---- diagnostics only below ----
+    const double loss_mean = pg ? parallel::all_reduce_mean(loss_sum / static_cast<double>(gas), *pg)
+                                : loss_sum / static_cast<double>(gas);
+    last_losses.push_back(loss_mean);
+    if (last_losses.size() > 50) last_losses.pop_front();
+    const double step_s = seconds_since(t_step);
+    const double samples_s = static_cast<double>(cfg.train_batch_size) / step_s;
+    if (main_rank) {
+      json rec = {{"step", step},
+                  {"loss", loss_mean},
+                  {"lr", lr},
+                  {"loss_scale", prec.loss_scale()},
+                  {"skipped_steps", skipped},
+                  {"grad_norm", std::isfinite(grad_norm) ? json(grad_norm) : json(nullptr)},
+                  {"samples_per_s", samples_s},
+                  {"peak_bytes", peak_allocated_bytes()},
+                  {"data_wait_s", data_wait},
+                  {"step_s", step_s}};
+      if (tokens_per_sample > 0) rec["tokens_per_s"] = samples_s * static_cast<double>(tokens_per_sample);
+      if (!stepped) {
+        const auto& ov = prec.amp ? prec.amp->last_overflow() : prec.scaler->last_overflow();
+        rec["overflow"] = ov ? ov->to_string() : "inf/nan gradients";
+      }
+      if (jsonl) jsonl->write(rec);
+      if (tb) {
+        std::vector<std::pair<std::string, double>> v = {{"train/loss", loss_mean},        {"train/lr", lr},
+                                                         {"train/loss_scale", prec.loss_scale()}, {"train/samples_per_s", samples_s},
+                                                         {"train/data_wait_s", data_wait},  {"train/skipped_steps", static_cast<double>(skipped)}};
+        if (std::isfinite(grad_norm)) v.emplace_back("train/grad_norm", grad_norm);
+        tb->add_scalars(v, step);
+      }
+      progress->update({.step = step, .loss = loss_mean, .loss_scale = prec.loss_scale(), .lr = lr, .samples_per_s = samples_s});
+    }
+    if (cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0 && step < total_steps) run_eval(step);
+    if (cfg.train.checkpoint_every > 0 && step % cfg.train.checkpoint_every == 0) save(step);
+    if (opts.stop_after >= 0 && step >= opts.stop_after && step < total_steps) {
+      sum.interrupted = true;
+      break;
+    }
+  }
+  sum.train_seconds = seconds_since(t_start) - overhead_s;
+  const int64_t done_here = step - first_step;
+
+  // =========================== the end ===========================
+  if (!sum.interrupted) {
+    if (cfg.train.checkpoint_every == 0 || step % cfg.train.checkpoint_every != 0) save(step);
+    run_eval(step);
+  }
+  if (progress) progress->finish();
+  sum.steps = step;
+  sum.skipped_steps = skipped;
+  sum.epochs = loader.epoch() + 1;
+  sum.final_loss = last_losses.empty() ? 0.0
+                                       : std::accumulate(last_losses.begin(), last_losses.end(), 0.0) /
+                                             static_cast<double>(last_losses.size());
+  sum.samples_per_s = sum.train_seconds > 0 ? static_cast<double>(done_here * cfg.train_batch_size) / sum.train_seconds : 0;
+  sum.tokens_per_s = sum.samples_per_s * static_cast<double>(tokens_per_sample);
+  sum.peak_bytes = peak_allocated_bytes();
+  sum.loss_scale = prec.loss_scale();
+  if (main_rank) {
+    const json j = sum.to_json();
+    const std::string path = opts.out_dir + "/summary.json";
+    {
+      std::FILE* f = std::fopen((path + ".tmp").c_str(), "w");
+      TANDEM_CHECK(f != nullptr, IOError, "train: cannot write {}.tmp", path);
+      const std::string text = j.dump(2) + "\n";
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+    }
+    std::error_code ec;
+    fs::rename(path + ".tmp", path, ec);
+    TANDEM_CHECK(!ec, IOError, "train: cannot rename {}.tmp to {}: {}", path, path, ec.message());
+    progress->message(fmt::format("summary: {}", j.dump()));
+  }
+  return sum;
+}
+
+}  // namespace tandem::train

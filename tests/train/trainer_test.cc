@@ -1,0 +1,221 @@
+// The training loop: 2N steps straight equal N steps, a stop (as if killed right after the
+// checkpoint of step N), `--resume auto` and N more — bitwise, for weights, optimizer state,
+// f32 masters, loss scale, RNG and data position — in fp32 SGD with gradient accumulation, fp16
+// with a GradScaler that skips steps, bf16 amp O2, and a GPT whose epochs end mid-run. Plus what a
+// run writes (JSONL fields, TensorBoard file, summary) and a resume into another model refused.
+#include "tandem/train/trainer.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "tandem/core/error.h"
+#include "tandem/core/safetensors.h"
+#include "tandem/data/idx.h"
+#include "tandem/train/checkpoint.h"
+#include "util/test_util.h"
+
+namespace tandem::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+bool fashion_available() { return fs::exists(data::fashion_mnist_dir() + "/train-images-idx3-ubyte.gz") ||
+                                  fs::exists(data::fashion_mnist_dir() + "/train-images-idx3-ubyte"); }
+
+Config make(json j) {
+  return parse_config(j, 1);
+}
+
+json mlp_config() {
+  return json::parse(R"({
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0, "seed": 3,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+    "model": {"name": "mlp", "hidden": [32]},
+    "data": {"name": "fashion_mnist", "eval_samples": 200},
+    "train": {"steps": 8, "checkpoint_every": 4, "keep_last": 2},
+    "log": {"progress": "none"}})");
+}
+
+json gpt_config() {
+  return json::parse(R"({
+    "train_batch_size": 4, "seed": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.003}},
+    "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+    "model": {"name": "gpt", "n_layer": 1, "d_model": 32, "n_head": 2, "context": 16},
+    "data": {"name": "text", "samples_per_epoch": 20, "eval_samples": 8},
+    "train": {"steps": 12, "checkpoint_every": 5, "keep_last": 2},
+    "log": {"progress": "none"}})");
+}
+
+void expect_same_safetensors(const std::string& a, const std::string& b) {
+  SCOPED_TRACE(a + " vs " + b);
+  const SafetensorsFile fa = load_safetensors(a), fb = load_safetensors(b);
+  ASSERT_EQ(fa.tensors.size(), fb.tensors.size());
+  for (size_t i = 0; i < fa.tensors.size(); ++i) {
+    EXPECT_EQ(fa.tensors[i].first, fb.tensors[i].first);
+    const Tensor& ta = fa.tensors[i].second;
+    const Tensor& tb = fb.at(fa.tensors[i].first);
+    ASSERT_EQ(ta.shape(), tb.shape());
+    ASSERT_EQ(ta.dtype(), tb.dtype());
+    EXPECT_EQ(std::memcmp(ta.data_ptr(), tb.data_ptr(), ta.nbytes()), 0) << fa.tensors[i].first;
+  }
+  EXPECT_EQ(fa.metadata, fb.metadata);
+}
+
+json read_json(const std::string& path) {
+  std::ifstream f(path);
+  return json::parse(f);
+}
+
+// Runs `cfg` straight, and again as N steps + stop + resume auto; compares the final checkpoints.
+void expect_resume_is_exact(const Config& cfg, int64_t stop_after) {
+  tandem::testing::TempDir dir;
+  const std::string straight = dir.path() + "/straight", resumed = dir.path() + "/resumed";
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  const TrainSummary a = run_training(cfg, {.out_dir = straight, .out = devnull});
+  const TrainSummary b1 = run_training(cfg, {.out_dir = resumed, .out = devnull, .stop_after = stop_after});
+  EXPECT_TRUE(b1.interrupted);
+  EXPECT_EQ(b1.steps, stop_after);
+  EXPECT_EQ(*latest_checkpoint(resumed + "/checkpoints"), resumed + "/checkpoints/" + checkpoint_name(stop_after));
+  const TrainSummary b2 = run_training(cfg, {.out_dir = resumed, .resume = "auto", .out = devnull});
+  std::fclose(devnull);
+  EXPECT_FALSE(b2.interrupted);
+  EXPECT_EQ(a.steps, cfg.train.steps);
+  EXPECT_EQ(b2.steps, cfg.train.steps);
+  EXPECT_EQ(a.skipped_steps, b2.skipped_steps);
+  EXPECT_EQ(a.loss_scale, b2.loss_scale);
+  const std::string name = "/checkpoints/" + checkpoint_name(cfg.train.steps);
+  expect_same_safetensors(straight + name + "/model.safetensors", resumed + name + "/model.safetensors");
+  expect_same_safetensors(straight + name + "/optimizer.safetensors", resumed + name + "/optimizer.safetensors");
+  if (fs::exists(straight + name + "/master_weights.safetensors")) {
+    expect_same_safetensors(straight + name + "/master_weights.safetensors", resumed + name + "/master_weights.safetensors");
+  }
+  const json sa = read_json(straight + name + "/trainer_state.json"), sb = read_json(resumed + name + "/trainer_state.json");
+  for (const char* k : {"step", "epoch", "batches_consumed", "scheduler_step", "rng", "scaler"}) {
+    EXPECT_EQ(sa[k], sb[k]) << k;
+  }
+  EXPECT_EQ(sa["extra"]["skipped_steps"], sb["extra"]["skipped_steps"]);
+  // The resumed run's log continues the interrupted one's: steps 1..N, then N+1..2N.
+  std::ifstream log(resumed + "/metrics.jsonl");
+  std::string line;
+  int64_t expect_step = 1;
+  while (std::getline(log, line)) {
+    const json r = json::parse(line);
+    if (!r.contains("loss")) continue;  // an evaluation record
+    EXPECT_EQ(r["step"], expect_step);
+    ++expect_step;
+  }
+  EXPECT_EQ(expect_step, cfg.train.steps + 1);
+}
+
+TEST(Trainer, ResumeIsBitwiseFp32SgdWithAccumulationAndClipping) {
+  if (!fashion_available()) GTEST_SKIP() << "needs Fashion-MNIST (dataset-fashion-mnist) in " << data::fashion_mnist_dir();
+  expect_resume_is_exact(make(mlp_config()), 4);
+}
+
+TEST(Trainer, ResumeIsBitwiseFp16GradScalerWithSkippedSteps) {
+  if (!fashion_available()) GTEST_SKIP() << "needs Fashion-MNIST (dataset-fashion-mnist) in " << data::fashion_mnist_dir();
+  json j = mlp_config();
+  // 2^22 overflows f16 gradients: the first steps are skipped while the scale backs off.
+  j["fp16"] = {{"enabled", true}, {"initial_scale_power", 22}, {"loss_scale_window", 3}, {"hysteresis", 1}};
+  j["optimizer"] = {{"type", "Adam"}, {"params", {{"lr", 1e-3}}}};
+  j["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 4}}}};
+  const Config cfg = make(j);
+  expect_resume_is_exact(cfg, 4);
+  tandem::testing::TempDir dir;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  const TrainSummary s = run_training(cfg, {.out_dir = dir.path(), .out = devnull});
+  std::fclose(devnull);
+  EXPECT_GT(s.skipped_steps, 0);
+  EXPECT_LT(s.skipped_steps, s.steps);  // and then it trains
+  EXPECT_LT(s.loss_scale, std::ldexp(1.0, 22));
+  // Skipped steps carry their provenance in the log.
+  std::ifstream log(dir.path() + "/metrics.jsonl");
+  std::string line;
+  bool found = false;
+  while (std::getline(log, line)) found |= json::parse(line).contains("overflow");
+  EXPECT_TRUE(found);
+}
+
+TEST(Trainer, ResumeIsBitwiseBf16AmpO2) {
+  if (!fashion_available()) GTEST_SKIP() << "needs Fashion-MNIST (dataset-fashion-mnist) in " << data::fashion_mnist_dir();
+  json j = mlp_config();
+  j["bf16"] = {{"enabled", true}};
+  j["amp"] = {{"opt_level", "O2"}};
+  expect_resume_is_exact(make(j), 4);
+}
+
+TEST(Trainer, ResumeIsBitwiseGptAcrossEpochBoundaries) {
+  // 20 windows / batch 4 = 5 steps per epoch: the stop at step 5 lands exactly on an epoch's end
+  // and the 12 steps span three epochs.
+  expect_resume_is_exact(make(gpt_config()), 5);
+}
+
+TEST(Trainer, WritesJsonlTensorBoardAndSummary) {
+  tandem::testing::TempDir dir;
+  json j = gpt_config();
+  j["train"]["eval_every"] = 4;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  const TrainSummary s = run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+  std::fclose(devnull);
+  std::ifstream log(dir.path() + "/metrics.jsonl");
+  std::string line;
+  int train_rows = 0, eval_rows = 0;
+  while (std::getline(log, line)) {
+    const json r = json::parse(line);
+    if (r.contains("eval_loss")) {
+      ++eval_rows;
+      continue;
+    }
+    ++train_rows;
+    for (const char* k : {"step", "loss", "lr", "loss_scale", "skipped_steps", "grad_norm", "samples_per_s", "tokens_per_s",
+                          "peak_bytes", "data_wait_s", "step_s"}) {
+      EXPECT_TRUE(r.contains(k)) << k << " in " << line;
+    }
+  }
+  EXPECT_EQ(train_rows, 12);
+  EXPECT_EQ(eval_rows, 3);  // steps 4, 8 and the end
+  bool tb = false;
+  for (const auto& e : fs::directory_iterator(dir.path() + "/tensorboard")) {
+    tb |= e.path().filename().string().rfind("events.out.tfevents.", 0) == 0 && fs::file_size(e.path()) > 100;
+  }
+  EXPECT_TRUE(tb);
+  const json sum = read_json(dir.path() + "/summary.json");
+  for (const char* k : {"final_loss", "eval_loss", "tokens_per_s", "samples_per_s", "peak_bytes", "train_seconds", "steps",
+                        "precision", "loss_scale"}) {
+    EXPECT_TRUE(sum.contains(k)) << k;
+  }
+  EXPECT_EQ(sum["steps"], 12);
+  EXPECT_GT(s.tokens_per_s, 0);
+  EXPECT_GT(s.peak_bytes, 0);
+  // The warmup-cosine schedule: linear warmup over 3 steps from 0.
+  std::ifstream log2(dir.path() + "/metrics.jsonl");
+  std::getline(log2, line);
+  EXPECT_EQ(json::parse(line)["lr"], 0.0);
+  std::getline(log2, line);
+  EXPECT_DOUBLE_EQ(json::parse(line)["lr"].get<double>(), 0.003 / 3);
+}
+
+TEST(Trainer, ResumeIntoAnotherModelIsRefused) {
+  tandem::testing::TempDir dir;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  json j = gpt_config();
+  j["train"]["steps"] = 2;
+  run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+  j["model"]["d_model"] = 16;
+  try {
+    run_training(make(j), {.out_dir = dir.path(), .resume = "auto", .out = devnull});
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor \"tok_emb.weight\" has shape [256, 32]"), std::string::npos) << e.what();
+  }
+  std::fclose(devnull);
+}
+
+}  // namespace
+}  // namespace tandem::train
