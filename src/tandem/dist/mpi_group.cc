@@ -288,7 +288,7 @@ class MpiGroup final : public ProcessGroup {
     check_buffer("all_reduce", buf);
     check_reducible("all_reduce", buf.dtype, op);
     return issue(fmt::format("all_reduce #{} ({}, {}, {})", peek_seq(), dtype_name(buf.dtype), buf.count, reduce_op_name(op)),
-                 [this, buf, op] { reduce_impl(buf, buf, op, -1); });
+                 [this, buf, op] { reduce_impl(buf, op, -1); });
   }
 
   std::shared_ptr<Work> reduce(Buffer buf, int root, ReduceOp op) override {
@@ -296,7 +296,7 @@ class MpiGroup final : public ProcessGroup {
     check_root("reduce", root);
     check_reducible("reduce", buf.dtype, op);
     return issue(fmt::format("reduce #{} ({}, {}, {}, root {})", peek_seq(), dtype_name(buf.dtype), buf.count, reduce_op_name(op), root),
-                 [this, buf, op, root] { reduce_impl(buf, buf, op, root); });
+                 [this, buf, op, root] { reduce_impl(buf, op, root); });
   }
 
   std::shared_ptr<Work> broadcast(Buffer buf, int root) override {
@@ -537,7 +537,7 @@ class MpiGroup final : public ProcessGroup {
   // ---- reductions ----
 
   // all_reduce (root < 0) or reduce to root, in place; 16-bit floats through f32 unless half_wire_.
-  void reduce_impl(Buffer buf, Buffer, ReduceOp op, int root) {
+  void reduce_impl(Buffer buf, ReduceOp op, int root) {
     if (buf.count == 0) return;
     if (root < 0 && is_reduced_float(buf.dtype) && !half_wire_ && buf.count <= INT_MAX) {
       all_reduce16(buf, op);
@@ -803,11 +803,9 @@ class MpiGroup final : public ProcessGroup {
   std::string diagnose(const std::string& what) {
     if (!store_) return "";
     try {
-      const int64_t attempt = store_->add(fmt::format("mpi/desync/{}/count", rank()), 1);
-      (void)attempt;
       store_->set(fmt::format("mpi/desync/{}", rank()), what);
       const auto until = Clock::now() + std::min<std::chrono::milliseconds>(timeout(), std::chrono::seconds(5));
-      std::vector<int> missing;
+      std::vector<int> missing, same;
       std::string out;
       for (int r = 0; r < size(); ++r) {
         if (r == rank()) continue;
@@ -817,11 +815,13 @@ class MpiGroup final : public ProcessGroup {
         if (found) {
           const std::string theirs = to_string(store_->get(key));
           if (theirs != what) out += fmt::format("; rank {} is in {} while rank {} waits in {}", r, theirs, rank(), what);
+          else same.push_back(r);
         } else {
           missing.push_back(r);
         }
       }
       if (!missing.empty()) out += fmt::format("; ranks that did not report (dead, or not blocked in a collective): {}", fmt::join(missing, ","));
+      if (!same.empty()) out += fmt::format("; ranks {} are stuck in the same collective", fmt::join(same, ","));
       return out;
     } catch (const std::exception& e) {
       return fmt::format("; desync diagnosis through the store failed: {}", e.what());
