@@ -188,12 +188,12 @@ std::string Progress::format_duration(double seconds) {
 void Progress::update(const ProgressFields& f) {
   if (mode_ == Mode::None) return;
   if (first_step_ < 0) {
-    // The rate counts from the first update, so a resumed run's rate is its own.
-    first_step_ = f.step - 1;
+    // The rate counts from the first update (its time is unknown), so a resumed run's rate is its own.
+    first_step_ = f.step;
     start_ = std::chrono::steady_clock::now();
   }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  const double rate = elapsed > 0 ? static_cast<double>(f.step - first_step_) / elapsed : 0.0;
+  const double rate = elapsed > 0 && f.step > first_step_ ? static_cast<double>(f.step - first_step_) / elapsed : 0.0;
   const double eta = rate > 0 ? static_cast<double>(total_ - f.step) / rate : -1;
   if (mode_ == Mode::Bar) {
     constexpr int kWidth = 24;
