@@ -144,18 +144,23 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     try {
-      store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
-      return;
-    } catch (const Timeout&) {
-      missing.clear();
-      for (int r = 0; r < size; ++r) {
-        if (!store.check({keys[r]})) missing.push_back(r);
+      try {
+        store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
+        return;
+      } catch (const Timeout&) {
+        std::vector<int> now_missing;
+        for (int r = 0; r < size; ++r) {
+          if (!store.check({keys[r]})) now_missing.push_back(r);
+        }
+        missing = std::move(now_missing);
+        if (Clock::now() < deadline) continue;
+        throw Timeout(fmt::format(
+            "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
+            "check that every rank was started with the same MASTER_ADDR/MASTER_PORT (or init_method) and world size",
+            fmt::join(missing, ", "), size, timeout.count(), rank));
       }
-      if (Clock::now() < deadline) continue;
-      throw Timeout(fmt::format(
-          "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
-          "check that every rank was started with the same MASTER_ADDR/MASTER_PORT (or init_method) and world size",
-          fmt::join(missing, ", "), size, timeout.count(), rank));
+    } catch (const Timeout&) {
+      throw;
     } catch (const CommError& e) {
       if (missing.empty()) throw;
       throw CommError(fmt::format(

@@ -18,31 +18,30 @@ template <class T> struct Traits { using Mem = T; using Acc = T; };
 template <> struct Traits<bfloat16> { using Mem = uint16_t; using Acc = float; };
 template <> struct Traits<half> { using Mem = uint16_t; using Acc = float; };
 
+// Widening load and narrowing store of one element (the accumulator is f32 for f16/bf16).
 template <class T>
-[[gnu::always_inline]] inline void load_block(typename Traits<T>::Acc* acc, const typename Traits<T>::Mem* src, int n) {
+[[gnu::always_inline]] inline typename Traits<T>::Acc ld(typename Traits<T>::Mem x) {
   if constexpr (std::is_same_v<T, bfloat16>) {
-    for (int i = 0; i < n; ++i) acc[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+    return std::bit_cast<float>(static_cast<uint32_t>(x) << 16);
   } else if constexpr (std::is_same_v<T, half>) {
-    for (int i = 0; i < n; ++i) acc[i] = ::tandem::detail::half_bits_to_float(src[i]);
+    return ::tandem::detail::half_bits_to_float(x);
   } else {
-    for (int i = 0; i < n; ++i) acc[i] = src[i];
+    return x;
   }
 }
 
 template <class T>
-[[gnu::always_inline]] inline void store_block(typename Traits<T>::Mem* dst, const typename Traits<T>::Acc* acc, int n) {
+[[gnu::always_inline]] inline typename Traits<T>::Mem st(typename Traits<T>::Acc a) {
   if constexpr (std::is_same_v<T, bfloat16>) {
     // Round to nearest even, NaN kept quiet: detail::float_to_bf16_bits in a vectorisable form.
-    for (int i = 0; i < n; ++i) {
-      const uint32_t x = std::bit_cast<uint32_t>(acc[i]);
-      const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-      const uint32_t nan = (x >> 16) | 0x40u;
-      dst[i] = static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-    }
+    const uint32_t x = std::bit_cast<uint32_t>(a);
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    const uint32_t nan = (x >> 16) | 0x40u;
+    return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
   } else if constexpr (std::is_same_v<T, half>) {
-    for (int i = 0; i < n; ++i) dst[i] = ::tandem::detail::float_to_half_bits(acc[i]);
+    return ::tandem::detail::float_to_half_bits(a);
   } else {
-    for (int i = 0; i < n; ++i) dst[i] = acc[i];
+    return a;
   }
 }
 
@@ -65,49 +64,71 @@ template <class A>
   }
 }
 
-template <class T>
-[[gnu::always_inline]] inline void combine_block(typename Traits<T>::Acc* acc, const typename Traits<T>::Mem* src,
-                                                 int n, ReduceOp op) {
-  using A = typename Traits<T>::Acc;
-  A v[kBlock];
-  load_block<T>(v, src, n);
-  switch (op) {
-    case ReduceOp::SUM:
-    case ReduceOp::AVG:
-      for (int i = 0; i < n; ++i) acc[i] = add(acc[i], v[i]);
-      break;
-    case ReduceOp::PRODUCT:
-      for (int i = 0; i < n; ++i) acc[i] = mul(acc[i], v[i]);
-      break;
-    case ReduceOp::MAX:
-      for (int i = 0; i < n; ++i) acc[i] = v[i] > acc[i] ? v[i] : acc[i];
-      break;
-    case ReduceOp::MIN:
-      for (int i = 0; i < n; ++i) acc[i] = v[i] < acc[i] ? v[i] : acc[i];
-      break;
-  }
+template <ReduceOp OP, class A>
+[[gnu::always_inline]] inline A combine(A a, A b) {
+  if constexpr (OP == ReduceOp::SUM || OP == ReduceOp::AVG) return add(a, b);
+  else if constexpr (OP == ReduceOp::PRODUCT) return mul(a, b);
+  else if constexpr (OP == ReduceOp::MAX) return b > a ? b : a;
+  else return b < a ? b : a;
 }
 
-template <class T>
-[[gnu::always_inline]] inline void reduce_impl(void* out_v, const void* const* in_v, int nin, int64_t count,
-                                               ReduceOp op, int avg_divisor) {
+// out = op over the inputs, one block at a time: the first two inputs are combined straight
+// into the accumulator, middle ones added to it, the last one combined while narrowing into out;
+// with two inputs that is a single pass with no accumulator at all.
+template <class T, ReduceOp OP>
+[[gnu::always_inline]] inline void reduce_op(void* out_v, const void* const* in_v, int nin, int64_t count,
+                                             int avg_divisor) {
   using M = typename Traits<T>::Mem;
   using A = typename Traits<T>::Acc;
+  // `out` may be one of the inputs, element for element: no loop-carried dependence, so the
+  // loops are marked ivdep (otherwise GCC versions them and runs in-place calls scalar).
   M* out = static_cast<M*>(out_v);
+  const A d = static_cast<A>(avg_divisor);
+  auto fin = [&](A v) -> A {
+    if constexpr (OP == ReduceOp::AVG) return v / d;
+    else return v;
+  };
+  const M* in0 = static_cast<const M*>(in_v[0]);
+  if (nin == 1) {
+#pragma GCC ivdep
+    for (int64_t i = 0; i < count; ++i) out[i] = st<T>(fin(ld<T>(in0[i])));
+    return;
+  }
+  const M* in1 = static_cast<const M*>(in_v[1]);
+  if (nin == 2) {
+#pragma GCC ivdep
+    for (int64_t i = 0; i < count; ++i) out[i] = st<T>(fin(combine<OP>(ld<T>(in0[i]), ld<T>(in1[i]))));
+    return;
+  }
+  const M* last = static_cast<const M*>(in_v[nin - 1]);
   for (int64_t b = 0; b < count; b += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, count - b));
     A acc[kBlock];
-    load_block<T>(acc, static_cast<const M*>(in_v[0]) + b, n);
-    for (int k = 1; k < nin; ++k) combine_block<T>(acc, static_cast<const M*>(in_v[k]) + b, n, op);
-    if (op == ReduceOp::AVG) {
-      const A d = static_cast<A>(avg_divisor);
-      for (int i = 0; i < n; ++i) acc[i] = acc[i] / d;
+#pragma GCC ivdep
+    for (int i = 0; i < n; ++i) acc[i] = combine<OP>(ld<T>(in0[b + i]), ld<T>(in1[b + i]));
+    for (int k = 2; k < nin - 1; ++k) {
+      const M* src = static_cast<const M*>(in_v[k]) + b;
+#pragma GCC ivdep
+      for (int i = 0; i < n; ++i) acc[i] = combine<OP>(acc[i], ld<T>(src[i]));
     }
-    store_block<T>(out + b, acc, n);
+#pragma GCC ivdep
+    for (int i = 0; i < n; ++i) out[b + i] = st<T>(fin(combine<OP>(acc[i], ld<T>(last[b + i]))));
   }
 }
 
-#define TANDEM_SHM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+template <class T>
+[[gnu::always_inline]] inline void reduce_impl(void* out, const void* const* in, int nin, int64_t count, ReduceOp op,
+                                               int avg_divisor) {
+  switch (op) {
+    case ReduceOp::SUM: return reduce_op<T, ReduceOp::SUM>(out, in, nin, count, avg_divisor);
+    case ReduceOp::AVG: return reduce_op<T, ReduceOp::AVG>(out, in, nin, count, avg_divisor);
+    case ReduceOp::PRODUCT: return reduce_op<T, ReduceOp::PRODUCT>(out, in, nin, count, avg_divisor);
+    case ReduceOp::MAX: return reduce_op<T, ReduceOp::MAX>(out, in, nin, count, avg_divisor);
+    case ReduceOp::MIN: return reduce_op<T, ReduceOp::MIN>(out, in, nin, count, avg_divisor);
+  }
+}
+
+#define TANDEM_SHM_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 
 TANDEM_SHM_CLONES void reduce_f32(void* o, const void* const* in, int nin, int64_t c, ReduceOp op, int d) {
   reduce_impl<float>(o, in, nin, c, op, d);
