@@ -15,13 +15,15 @@
 //
 // all_reduce. Small messages (<= TANDEM_SHM_SMALL_BYTES, default 16 KiB): every rank copies its
 // input into its slot and reduces all slots in rank order (one synchronisation). Large: a
-// reduce-scatter + all-gather over shared memory: rank r owns 1/N of the elements, reads that
-// slice of every rank's buffer in place and writes the reduced slice into its own buffer chunk by
-// chunk, publishing each chunk; meanwhile the others copy finished chunks of the slices they do
-// not own (so reducing and copying overlap), starting at their ring neighbour. Buffers from
-// allocate() are read in place (zero-copy); others go through heap scratch (one copy in, and the
-// all-gather writes straight into the caller's buffer). Inputs are always combined in rank order,
-// so every rank gets bit-identical results.
+// reduce-scatter + all-gather over shared memory in which rank r owns 1/N of the elements and
+// reads that slice of every rank's buffer in place, chunk by chunk (TANDEM_SHM_CHUNK_BYTES,
+// 256 KiB). Default (TANDEM_SHM_ALLREDUCE=push): the all-gather is fused into the reduction, each
+// reduced chunk (still in L2) is written straight into every peer's buffer, one barrier at the
+// end; this touches about 2x the buffer per rank instead of 2.5x. TANDEM_SHM_ALLREDUCE=pull: the
+// owner publishes each reduced chunk and the others copy it as soon as it is ready (reduce and
+// copy overlap), starting at their ring neighbour. Buffers from allocate() are read in place
+// (zero-copy); others go through heap scratch (one copy in, one out). Inputs are always combined
+// in rank order, so every rank gets bit-identical results.
 //
 // Threads. One progress thread per group runs queued work in issue order. A small operation
 // issued while nothing is queued runs at once on the caller's thread (latency: no thread
