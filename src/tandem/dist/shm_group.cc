@@ -552,7 +552,7 @@ void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::str
         if (spent > std::chrono::microseconds(2)) sched_yield();
       }
     }
-    spin_budget_ns_ = std::max<int64_t>(1000, spin_budget_ns_ / 2);
+    spin_budget_ns_ = std::max<int64_t>(std::max<int64_t>(1000, spin_ns_ / 8), spin_budget_ns_ * 3 / 4);
   }
   RankCtl& pc = ctl(p);
   auto next_check = Clock::now() + 20ms;
