@@ -257,6 +257,33 @@ TEST(Checkpoint, TruncatedFileIsRefusedAndNothingChanges) {
   expect_same_state(*b, *b_copy);
 }
 
+// model.safetensors is what PyTorch's load_state_dict takes: the same names and shapes, strict.
+TEST(Checkpoint, ModelFileLoadsIntoPyTorch) {
+  const std::string py = std::string(TANDEM_SOURCE_DIR) + "/.venv-test/bin/python";
+  if (!fs::exists(py)) GTEST_SKIP() << "needs " << py << " with torch and safetensors (scripts/install-deps.sh)";
+  tandem::testing::TempDir dir;
+  auto a = small_mlp(1);
+  optim::SGD opt(a->parameters(), {.lr = 0.1});
+  const std::string path = save_checkpoint(dir.path(), {a.get(), &opt, nullptr}, sample_state(1), 1);
+  const std::string script = dir.path() + "/load.py";
+  std::ofstream(script) << "import sys, torch, torch.nn as nn\n"
+                           "from safetensors.torch import load_file\n"
+                           "m = nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+                           "r = m.load_state_dict(load_file(sys.argv[1]), strict=True)\n"
+                           "print('ok', float(m[1].weight[0, 0]))\n";
+  FILE* p = ::popen((py + " " + script + " " + path + "/model.safetensors 2>&1").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p)) out += buf;
+  const int rc = ::pclose(p);
+  if (out.find("ModuleNotFoundError") != std::string::npos) {
+    GTEST_SKIP() << py << " lacks torch or safetensors (scripts/install-deps.sh): " << out;
+  }
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(out, fmt::format("ok {}\n", a->state_dict()[0].second.to_vector()[0])) << out;
+}
+
 // A child saves checkpoints of steps 1, 2, 3, ... (weights filled with the step number) until it
 // is killed with SIGKILL at a random moment; the newest complete checkpoint must then load and
 // hold exactly its step's values. Repeated with different kill delays.
