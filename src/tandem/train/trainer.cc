@@ -229,6 +229,7 @@ json TrainSummary::to_json() const {
   if (test_accuracy >= 0) j["test_accuracy"] = test_accuracy;
   if (eval_loss >= 0) j["eval_loss"] = eval_loss;
   if (tokens_per_s > 0) j["tokens_per_s"] = tokens_per_s;
+  if (context > 0) j["context"] = context;
   return j;
 }
 
@@ -442,7 +443,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       opt->step();
     }
     const double lr = opt->param_groups()[0].options.at("lr");
-    schedule.step();
+    // As DeepSpeed: a skipped step does not advance the schedule.
+    if (stepped) schedule.step();
     ++step;
     if (!stepped) ++skipped;
 
@@ -503,6 +505,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
                                              static_cast<double>(last_losses.size());
   sum.samples_per_s = sum.train_seconds > 0 ? static_cast<double>(done_here * cfg.train_batch_size) / sum.train_seconds : 0;
   sum.tokens_per_s = sum.samples_per_s * static_cast<double>(tokens_per_sample);
+  sum.context = tokens_per_sample;
   sum.peak_bytes = peak_allocated_bytes();
   sum.loss_scale = prec.loss_scale();
   if (main_rank) {

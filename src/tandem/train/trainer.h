@@ -35,6 +35,7 @@ struct TrainSummary {
   double test_accuracy = -1;      // classifiers: last evaluation's accuracy; -1 otherwise
   double samples_per_s = 0;       // global samples per second over this process's steps
   double tokens_per_s = 0;        // gpt only
+  int64_t context = 0;            // gpt only: tokens per sample
   int64_t peak_bytes = 0;         // the CPU allocator's peak during training (this rank)
   double train_seconds = 0;
   double loss_scale = 1;
