@@ -137,6 +137,41 @@ TEST(AmpInitialize, OverflowSkipsOptimizerStepBitwise) {
   EXPECT_EQ(a->last_overflow()->entries[0].name, "0.weight");
 }
 
+// O2 on W2's CNN: convolutions and fc in bf16, BatchNorm parameters and running statistics kept
+// f32 (keep_batchnorm_fp32); BatchNorm takes the bf16 activations, computes statistics in f32,
+// updates its f32 running stats, and a training step moves the masters.
+TEST(AmpInitialize, O2KeepsBatchNormF32InCnn) {
+  manual_seed(1);
+  auto model = nn::models::cnn();
+  optim::AdamW opt(model->parameters(), {.lr = 1e-3});
+  auto a = amp::initialize(*model, opt, {.opt_level = "O2"});
+  for (auto& [name, p] : model->named_parameters()) {
+    const bool norm = name.find("features.1.") == 0 || name.find("features.4.") == 0 || name.find("features.7.") == 0;
+    EXPECT_EQ(p.dtype(), norm ? kFloat32 : kBFloat16) << name;
+  }
+  for (auto& [name, b] : model->named_buffers()) {
+    if (is_floating(b.dtype())) EXPECT_EQ(b.dtype(), kFloat32) << name;
+  }
+  EXPECT_EQ(model->fc->weight.dtype(), kBFloat16);
+  Generator g(3);
+  const Tensor x = randn({8, 1, 28, 28}, kFloat32, &g), y = randint(0, 10, {8}, &g);
+  const Tensor m0 = a->master_params()[0].detach().clone();
+  const Tensor rm0 = model->named_buffers()[0].second.detach().clone();
+  Tensor loss;
+  {
+    auto ac = a->forward_autocast();
+    loss = ops::cross_entropy((*model)(a->cast_input(x)), y);
+  }
+  EXPECT_TRUE(std::isfinite(loss.item()));
+  {
+    auto s = amp::scale_loss(loss, opt);
+    s.backward();
+  }
+  opt.step();
+  EXPECT_FALSE(bitwise_equal(a->master_params()[0].detach(), m0));
+  EXPECT_FALSE(bitwise_equal(model->named_buffers()[0].second.detach(), rm0));  // running_mean moved
+}
+
 TEST(AmpInitialize, LevelsO0O1O3) {
   {
     auto model = small_model();
