@@ -25,8 +25,16 @@ import math
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
+# torch is imported by the modes that use it (policy, scaler): the deepspeed mode is plain Python
+# and starts in milliseconds.
+torch = F = None
+
+
+def import_torch():
+    global torch, F
+    import torch as _torch
+    import torch.nn.functional as _F
+    torch, F = _torch, _F
 
 
 def policy_cases():
@@ -186,11 +194,13 @@ def deepspeed(out_dir, steps, spec, hysteresis, consecutive, min_scale, window, 
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     if mode == "policy":
+        import_torch()
         return policy(out_dir)
     if mode == "deepspeed":
         a = sys.argv
         return deepspeed(out_dir, int(a[3]), a[4], int(a[5]), a[6] == "1", float(a[7]), int(a[8]), int(a[9]))
     if mode == "scaler":
+        import_torch()
         return scaler(out_dir, int(sys.argv[3]), sys.argv[4])
     print(f"amp_oracle.py: unknown mode {mode!r}", file=sys.stderr)
     return 2
