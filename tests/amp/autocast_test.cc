@@ -180,6 +180,34 @@ TEST(Autocast, WeightCastCacheCastsOncePerRegion) {
   }
 }
 
+// STYLE.md's training step calls backward inside the autocast scope. The gradients must be the
+// ones a backward outside the scope gives (backward runs in the dtypes the forward chose).
+TEST(Autocast, BackwardInsideTheRegionEqualsOutside) {
+  const Tensor x = randn({16, 12});
+  const Tensor y = randint(0, 5, {16});
+  Tensor w1 = param({20, 12}, 5), b1 = param({20}, 6), w2 = param({5, 20}, 7);
+  auto loss_fn = [&] {
+    const Tensor h = ops::layer_norm(ops::relu(ops::linear(x, w1, b1)), {20});
+    return ops::cross_entropy(ops::matmul(h, w2.t()), y);
+  };
+  {
+    amp::autocast ac(kBFloat16);
+    loss_fn().backward();
+  }
+  const Tensor g1 = w1.grad().clone(), gb = b1.grad().clone(), g2 = w2.grad().clone();
+  EXPECT_EQ(g1.dtype(), kFloat32);
+  for (Tensor* t : {&w1, &b1, &w2}) t->set_grad(Tensor());
+  Tensor loss;
+  {
+    amp::autocast ac(kBFloat16);
+    loss = loss_fn();
+  }
+  loss.backward();
+  EXPECT_TRUE(all_close(w1.grad(), g1, 0, 0));
+  EXPECT_TRUE(all_close(b1.grad(), gb, 0, 0));
+  EXPECT_TRUE(all_close(w2.grad(), g2, 0, 0));
+}
+
 TEST(Autocast, OffCostsNoCasts) {
   amp::reset_cast_stats();
   ops::linear(randn({4, 8}), param({2, 8}, 4));

@@ -34,8 +34,9 @@ struct AutocastOptions {
 // (cat, stack, where). Nestable; an inner guard with enabled = false turns autocast off for its
 // scope; the previous state comes back on exit. Thread-local: other threads are unaffected.
 // The cast cache is freed when the outermost guard exits. Throws DTypeError for a dtype other
-// than bf16/f16 and ValueError for a non-cpu device. Call backward() outside the region (as
-// PyTorch recommends): backward runs in the dtypes its forward ops chose.
+// than bf16/f16 and ValueError for a non-cpu device. Backward runs in the dtypes its forward ops
+// chose; PyTorch recommends calling it outside the region, and for the ops in the table a
+// backward inside gives the same gradients (tests/amp: BackwardInsideTheRegionEqualsOutside).
 class autocast {
  public:
   explicit autocast(const AutocastOptions& options = {});
