@@ -196,6 +196,10 @@ void Progress::update(const ProgressFields& f) {
   const double rate = elapsed > 0 && f.step > first_step_ ? static_cast<double>(f.step - first_step_) / elapsed : 0.0;
   const double eta = rate > 0 ? static_cast<double>(total_ - f.step) / rate : -1;
   if (mode_ == Mode::Bar) {
+    // At most ~10 redraws a second (fast steps would otherwise spend their time on the terminal).
+    const auto now = std::chrono::steady_clock::now();
+    if (drawn_ && f.step != total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
     constexpr int kWidth = 24;
     const double frac = total_ > 0 ? std::min(1.0, static_cast<double>(f.step) / static_cast<double>(total_)) : 0.0;
     const int filled = static_cast<int>(frac * kWidth);

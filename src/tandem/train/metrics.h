@@ -72,7 +72,7 @@ struct ProgressFields {
   double samples_per_s = 0;
 };
 
-// Rank 0's progress display. Bar mode (a TTY) redraws one line in place:
+// Rank 0's progress display. Bar mode (a TTY) redraws one line in place, at most 10 times a second:
 //   " 120/469 [=======>          ] 25.6 it/s ETA 0:13  loss 0.5123  scale 65536"
 // Lines mode prints "step 120/469  loss 0.5123  lr 0.05  scale 65536  25.6 it/s  3171 samples/s  ETA 0:13"
 // every `every` steps and at the last. None prints nothing. Not thread-safe.
@@ -94,7 +94,7 @@ class Progress {
   int64_t total_, every_;
   std::FILE* out_;
   Mode mode_;
-  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point start_, last_draw_;
   int64_t first_step_ = -1;
   bool drawn_ = false;
 };
