@@ -1,6 +1,9 @@
 // tandem train: the config-driven training job (src/tandem/train/trainer.h). Runs alone or under
 // `tandem run` / mpirun / srun (the launch environment gives the world size). Only argument
 // parsing lives here; errors become a message and an exit code.
+#include <signal.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -33,7 +36,24 @@ constexpr const char* kUsage =
     "                    (default runs/<config name>, or runs/default)\n"
     "  --summary-json P  also write the final summary to P\n"
     "  --print-config    print the validated config and exit\n"
-    "  --stop-after N    testing aid: stop after step N (and its checkpoint), as if killed there\n";
+    "  --stop-after N    testing aid: stop after step N (and its checkpoint), as if killed there\n"
+    "\n"
+    "SIGTERM or SIGINT (Ctrl-C) checkpoints after the current step and exits with 128 + the signal;\n"
+    "a second one kills at once.\n";
+
+// SIGTERM / SIGINT: the first asks the trainer to checkpoint and stop after the current step; a
+// second one kills the process (the default action).
+std::atomic<bool> g_stop{false};
+std::atomic<int> g_signal{0};
+
+void on_signal(int sig) {
+  if (g_stop.exchange(true)) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  g_signal.store(sig);
+}
 
 std::string stem(const std::string& path) {
   std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
@@ -87,6 +107,12 @@ int train_main(int argc, char** argv) try {
     return 0;
   }
   opts.out_dir = !out_dir.empty() ? out_dir : "runs/" + (config_path.empty() ? std::string("default") : stem(config_path));
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+  opts.stop_requested = &g_stop;
   const train::TrainSummary s = train::run_training(cfg, opts);
   if (!summary_path.empty() && std::max(0, env.rank) == 0) {
     std::FILE* f = std::fopen(summary_path.c_str(), "w");
@@ -95,6 +121,8 @@ int train_main(int argc, char** argv) try {
     std::fwrite(text.data(), 1, text.size(), f);
     std::fclose(f);
   }
+  // Stopped by a signal: the shell's code for it (130 SIGINT, 143 SIGTERM), after the checkpoint.
+  if (s.interrupted && g_signal.load() != 0) return 128 + g_signal.load();
   return 0;
 } catch (const std::exception& e) {
   return report(e);

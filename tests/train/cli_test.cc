@@ -1,5 +1,5 @@
-// `tandem train` as a user runs it: killed with SIGKILL mid-run and resumed with --resume auto
-// (bitwise equal to the uninterrupted run), on two processes under `tandem run` (resume bitwise,
+// `tandem train` as a user runs it: killed with SIGKILL mid-run, or stopped with SIGTERM (which
+// checkpoints first), and resumed with --resume auto (bitwise equal to the uninterrupted run), on two processes under `tandem run` (resume bitwise,
 // and a loss curve that matches the one-process run on the same global batch), and its argument
 // and config errors.
 #include <fcntl.h>
@@ -117,6 +117,48 @@ TEST(TrainCli, KilledWithSigkillThenResumeAutoIsBitwise) {
   ASSERT_EQ(run(kCli + " train --config " + cfg + " --out " + killed + " --resume auto", &out), 0) << out;
   EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
   expect_same_checkpoint(straight + "/checkpoints/step_00000030", killed + "/checkpoints/step_00000030");
+}
+
+TEST(TrainCli, SigtermCheckpointsStopsAndResumesBitwise) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 60, 0);  // no periodic checkpoints: only the stop's
+  const std::string straight = dir.path() + "/straight", stopped = dir.path() + "/stopped";
+  std::string out;
+  ASSERT_EQ(run(kCli + " train --config " + cfg + " --out " + straight, &out), 0) << out;
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::setenv("TANDEM_NUM_THREADS", "1", 1);
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    ::dup2(devnull, 1);
+    ::dup2(devnull, 2);
+    ::execl(kCli.c_str(), kCli.c_str(), "train", "--config", cfg.c_str(), "--out", stopped.c_str(), nullptr);
+    ::_exit(127);
+  }
+  // Wait until it has trained a few steps, then ask it to stop.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream f(stopped + "/metrics.jsonl");
+    std::string line;
+    int lines = 0;
+    while (std::getline(f, line)) ++lines;
+    if (lines >= 3) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
+  const auto ckpt = latest_checkpoint(stopped + "/checkpoints");
+  ASSERT_TRUE(ckpt.has_value());
+  if (WEXITSTATUS(status) == 0) {
+    std::fprintf(stderr, "note: the run finished before SIGTERM reached it\n");
+  } else {
+    EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+    EXPECT_NE(*ckpt, stopped + "/checkpoints/step_00000060");
+  }
+  ASSERT_EQ(run(kCli + " train --config " + cfg + " --out " + stopped + " --resume auto", &out), 0) << out;
+  expect_same_checkpoint(straight + "/checkpoints/step_00000060", stopped + "/checkpoints/step_00000060");
 }
 
 TEST(TrainCli, TwoProcessesResumeBitwiseAndMatchOneProcess) {

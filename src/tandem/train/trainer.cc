@@ -487,6 +487,19 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       sum.interrupted = true;
       break;
     }
+    if (opts.stop_requested != nullptr && step < total_steps) {
+      // A signal reaches the ranks at different moments: stop where any rank saw it, all together.
+      const double local = opts.stop_requested->load() ? 1.0 : 0.0;
+      if ((pg ? parallel::all_reduce_mean(local, *pg) : local) > 0) {
+        if (cfg.train.checkpoint_every == 0 || step % cfg.train.checkpoint_every != 0) save(step);
+        if (main_rank) {
+          progress->message(fmt::format("stopped at step {} on request; checkpoint {}; continue with --resume auto", step,
+                                        sum.last_checkpoint));
+        }
+        sum.interrupted = true;
+        break;
+      }
+    }
   }
   sum.train_seconds = seconds_since(t_start) - overhead_s;
   const int64_t done_here = step - first_step;

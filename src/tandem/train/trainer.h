@@ -5,6 +5,7 @@
 // optimizer, scheduler and loss-scale state — so its weights are bitwise equal.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -24,6 +25,10 @@ struct TrainerOptions {
   // Testing aid: return right after step `stop_after` (and its checkpoint, when one is due), as if
   // the process had been killed there. -1: run to the end.
   int64_t stop_after = -1;
+  // Set (e.g. by a SIGTERM/SIGINT handler) to stop gracefully: all ranks agree on it after the
+  // current step (one small all-reduce per step), save a checkpoint and return with interrupted.
+  // Null: never checked.
+  const std::atomic<bool>* stop_requested = nullptr;
 };
 
 // What a run reports (summary.json): the examples' --summary-json fields plus the run's own.
@@ -44,7 +49,7 @@ struct TrainSummary {
   int64_t batch_size = 0;         // train_batch_size (global)
   int64_t epochs = 0;             // epochs started
   int threads = 1;
-  bool interrupted = false;       // stopped by stop_after
+  bool interrupted = false;       // stopped by stop_after or stop_requested
   std::string last_checkpoint;
   nlohmann::json to_json() const;
 };
