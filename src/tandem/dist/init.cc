@@ -223,7 +223,15 @@ std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, in
   so.timeout = o.timeout;
   so.wait_for_workers = false;  // our own rendezvous names the missing ranks
   try {
-    return std::make_shared<TCPStore>(host, static_cast<uint16_t>(port), so);
+    auto tcp = std::make_shared<TCPStore>(host, static_cast<uint16_t>(port), so);
+    if (!so.is_master && hosted != nullptr && std::string(hosted) == "1") {
+      // A launcher's store outlives a restart of the workers (across nodes it must): each attempt
+      // keeps its keys apart, under torch's prefix for agent stores.
+      const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      return std::make_shared<PrefixStore>(
+          fmt::format("/worker/attempt_{}", attempt != nullptr && *attempt ? attempt : "0"), tcp);
+    }
+    return tcp;
   } catch (const CommError& e) {
     if (rank == 0) throw;
     throw CommError(fmt::format("{} (rank 0 hosts the store at {}:{}: did rank 0 start, with the same "
