@@ -145,25 +145,30 @@ int run_desync() {
   std::printf("[rank %d] after %.1f s: %s\n", rank, waited, message.c_str());
   const std::string mine = rank == 0 ? "all_reduce #0" : "barrier #0";
   const std::string theirs = rank == 0 ? "rank 1 is in barrier #0" : "rank 0 is in all_reduce #0";
+  int32_t failed = 0;
   if (message.find(mine) == std::string::npos || message.find(theirs) == std::string::npos || waited > 2 * 2.0 + 5.0) {
     std::fprintf(stderr, "[rank %d] FAILED: the error should name '%s' and '%s' within 9 s\n", rank, mine.c_str(), theirs.c_str());
-    return 1;
+    failed = 1;
   }
   // The group is unusable now; a new collective fails at once instead of hanging.
   try {
     pg->barrier()->wait(std::chrono::seconds(5));
     std::fprintf(stderr, "[rank %d] FAILED: a collective on the broken group succeeded\n", rank);
-    return 1;
+    failed = 1;
   } catch (const CommError& e) {
     if (dynamic_cast<const Timeout*>(&e) != nullptr) {
       std::fprintf(stderr, "[rank %d] FAILED: a collective on the broken group hung: %s\n", rank, e.what());
-      return 1;
+      failed = 1;
     }
   }
-  world->barrier()->wait();  // keep rank 0's store up until rank 1 is done with it
+  // Both verdicts meet on the (healthy) world group, which also keeps rank 0's store up until
+  // rank 1 is done with it. The ranks then exit without MPI_Finalize (a progress thread is still
+  // inside the abandoned collective), so mpirun's exit status says nothing: ctest matches the line.
+  world->all_reduce(Buffer{&failed, 1, DType::i32, kCPU}, ReduceOp::MAX)->wait(std::chrono::seconds(30));
   std::printf("desync diagnosed on rank %d\n", rank);
+  if (rank == 0 && failed == 0) std::printf("desync test passed on every rank\n");
   std::fflush(stdout);
-  return 0;
+  return failed;
 }
 
 // The sweep's 1-ulp check must catch 16-bit partial sums: with TANDEM_MPI_HALF_WIRE=1 (pairwise

@@ -19,6 +19,7 @@ std::shared_ptr<ProcessGroup> make_mpi_group(std::shared_ptr<Store>, int, int, P
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -72,6 +73,7 @@ class MpiRuntime {
 
   int world_rank() const { return world_rank_; }
   int world_size() const { return world_size_; }
+  void note_abandoned_collective() { abandoned_ = true; }
 
   void add(MpiGroup* g) {
     std::lock_guard lock(mu_);
@@ -137,6 +139,9 @@ class MpiRuntime {
   MPI_Op ops16_[2][4];
   std::mutex mu_;
   std::set<MpiGroup*> groups_;
+  // Set once a progress thread was left inside a collective that never returned: MPI_Finalize
+  // would then tear down memory that thread still polls (a crash at exit), so it is skipped.
+  std::atomic<bool> abandoned_{false};
 };
 
 std::string mpi_error(int rc) {
@@ -265,6 +270,7 @@ class MpiGroup final : public ProcessGroup {
       // Blocked inside a collective (a timed-out one never returns): leave the thread behind; it
       // exits without touching this group if MPI ever returns.
       progress_.detach();
+      MpiRuntime::get().note_abandoned_collective();
       running->finish(std::make_exception_ptr(CommError(fmt::format("{}: abandoned: {}", running->description(), why))));
     } else if (progress_.joinable()) {
       progress_.join();
@@ -868,14 +874,15 @@ void MpiRuntime::finalize_at_exit() {
     std::lock_guard lock(rt.mu_);
     groups.assign(rt.groups_.begin(), rt.groups_.end());
   }
-  bool stuck = false;
+  bool stuck = rt.abandoned_;
   for (MpiGroup* g : groups) {
     stuck = stuck || g->inside_collective();
     g->shutdown("MPI is being finalized at process exit");
   }
   int finalized = 0;
   MPI_Finalized(&finalized);
-  // MPI_Finalize would wait forever for a collective that never completes: skip it then.
+  // MPI_Finalize would wait forever for a collective that never completes, or free what an
+  // abandoned one still polls: skip it then (mpirun reports that the rank did not finalize).
   if (!finalized && !stuck) MPI_Finalize();
 }
 
