@@ -41,6 +41,21 @@ TEST(Config, DefaultIsW1) {
   EXPECT_EQ(c.train.epochs, 1);
   EXPECT_FALSE(c.fp16.enabled);
   EXPECT_FALSE(c.bf16);
+  EXPECT_FALSE(c.data.drop_last);  // every image once per epoch, as the example
+  // Linear decay from 0.05 to 0 over the run, no warmup.
+  EXPECT_EQ(c.scheduler.type, "WarmupDecayLR");
+  EXPECT_DOUBLE_EQ(c.scheduler.lr_at(0, 0.05, 469), 0.05);
+  EXPECT_DOUBLE_EQ(c.scheduler.lr_at(469, 0.05, 469), 0.0);
+  EXPECT_NEAR(c.scheduler.lr_at(234, 0.05, 469), 0.05 * 235.0 / 469.0, 1e-15);
+  // The shipped W1 configs train the same recipe.
+  for (const char* name : {"mlp_fp32", "mlp_bf16", "mlp_fp16"}) {
+    const Config f = load_config(std::string(TANDEM_SOURCE_DIR) + "/configs/" + name + ".json", {});
+    EXPECT_EQ(f.scheduler.type, c.scheduler.type) << name;
+    EXPECT_EQ(f.scheduler.warmup_num_steps, 0) << name;
+    EXPECT_DOUBLE_EQ(f.optimizer.lr, c.optimizer.lr) << name;
+    EXPECT_DOUBLE_EQ(f.optimizer.momentum, c.optimizer.momentum) << name;
+    EXPECT_EQ(f.train_batch_size, c.train_batch_size) << name;
+  }
 }
 
 TEST(Config, ReadsDeepSpeedKeys) {

@@ -77,6 +77,7 @@ const std::vector<Spec>& specs() {
       {"data.num_workers", Kind::Int, 0, 256},
       {"data.samples_per_epoch", Kind::Int, 0, kInf},
       {"data.eval_samples", Kind::Int, 0, kInf},
+      {"data.drop_last", Kind::Bool},
       {"train.steps", Kind::Int, 0, kInf},
       {"train.epochs", Kind::Int, 0, kInf},
       {"train.eval_every", Kind::Int, 0, kInf},
@@ -370,6 +371,7 @@ nlohmann::json default_config_json() {
   return json::parse(R"({
   "train_batch_size": 128,
   "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 0}},
   "steps_per_print": 100,
   "seed": 0,
   "model": {"name": "mlp", "hidden": [1024, 1024]},
@@ -476,6 +478,7 @@ Config parse_config(const nlohmann::json& j, int world_size) {
   get_int(j, "data.num_workers", d.num_workers);
   get_int(j, "data.samples_per_epoch", d.samples_per_epoch);
   get_int(j, "data.eval_samples", d.eval_samples);
+  get(j, "data.drop_last", d.drop_last);
   const bool text_data = d.name == "text" || d.name == "tokens";
   TANDEM_CHECK(text_data == (m.name == "gpt"), ValueError,
                "config: model \"{}\" does not fit data \"{}\" (gpt trains on text or tokens; mlp, cnn and resnet18 on "

@@ -256,9 +256,11 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   const Data data = make_data(cfg);
   data::DistributedSampler sampler(data.train->size(),
                                    {.num_replicas = world, .rank = rank, .shuffle = true, .seed = cfg.seed, .drop_last = true});
+  // The sampler gives every rank an equal share (drop_last there trims the dataset to a multiple
+  // of the world size), so a partial last micro-batch has the same size on every rank.
   data::DataLoader loader(*data.train, {.batch_size = cfg.train_micro_batch_size_per_gpu,
                                         .sampler = &sampler,
-                                        .drop_last = true,
+                                        .drop_last = cfg.data.drop_last,
                                         .num_workers = cfg.data.num_workers});
   const int64_t gas = cfg.gradient_accumulation_steps;
   TANDEM_CHECK(loader.size() >= 1, ValueError,
