@@ -174,9 +174,12 @@ TEST(Trainer, WritesJsonlTensorBoardAndSummary) {
     }
     ++train_rows;
     for (const char* k : {"step", "loss", "lr", "loss_scale", "skipped_steps", "grad_norm", "samples_per_s", "tokens_per_s",
-                          "peak_bytes", "data_wait_s", "step_s"}) {
+                          "peak_bytes", "data_wait_s", "step_s", "cpu_s"}) {
       EXPECT_TRUE(r.contains(k)) << k << " in " << line;
     }
+    // Process CPU time of a step: positive, and on one thread at most its wall time (+ clock slack).
+    EXPECT_GT(r["cpu_s"].get<double>(), 0.0) << line;
+    EXPECT_LE(r["cpu_s"].get<double>(), r["step_s"].get<double>() * 1.05 + 2e-3) << line;
   }
   EXPECT_EQ(train_rows, 12);
   EXPECT_EQ(eval_rows, 3);  // steps 4, 8 and the end

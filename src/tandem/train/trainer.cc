@@ -4,6 +4,8 @@
 // below the step.
 #include "tandem/train/trainer.h"
 
+#include <time.h>
+
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -48,6 +50,14 @@ using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// CPU seconds of this process (every thread): per step, the work done without the time other
+// processes held the cores — the steadier figure on a shared machine (bench/compare uses it).
+double process_cpu_seconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 // ---- data ----
 struct Data {
@@ -393,6 +403,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   const int64_t tokens_per_sample = data.text ? cfg.model.context : 0;
   while (step < total_steps) {
     const auto t_step = Clock::now();
+    const double cpu_step0 = process_cpu_seconds();
     double data_wait = 0, loss_sum = 0;
     // ---- forward + backward over the micro-batches; DDP reduces on the last one only ----
     opt->zero_grad();
@@ -456,6 +467,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     last_losses.push_back(loss_mean);
     if (last_losses.size() > 50) last_losses.pop_front();
     const double step_s = seconds_since(t_step);
+    const double cpu_s = process_cpu_seconds() - cpu_step0;
     const double samples_s = static_cast<double>(cfg.train_batch_size) / step_s;
     if (main_rank) {
       json rec = {{"step", step},
@@ -467,7 +479,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
                   {"samples_per_s", samples_s},
                   {"peak_bytes", peak_allocated_bytes()},
                   {"data_wait_s", data_wait},
-                  {"step_s", step_s}};
+                  {"step_s", step_s},
+                  {"cpu_s", cpu_s}};
       if (tokens_per_sample > 0) rec["tokens_per_s"] = samples_s * static_cast<double>(tokens_per_sample);
       if (!stepped) {
         const auto& ov = prec.amp ? prec.amp->last_overflow() : prec.scaler->last_overflow();
