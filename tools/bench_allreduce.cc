@@ -2,7 +2,13 @@
 // environment it spawns --nproc local ranks itself (dist::spawn); under a launcher (tandem run,
 // torchrun, mpirun) it is one rank of the launched job. Buffers come from
 // ProcessGroup::allocate (zero-copy for shm). Rank 0 prints one row per size:
-// bytes, count, dtype, time_us (slowest rank's mean), algbw = bytes / time, busbw = algbw * 2(n-1)/n.
+// bytes, count, dtype, time_us (slowest rank's mean), algbw = bytes / time, busbw = algbw * 2(n-1)/n,
+// and, for machines shared with other work, p50_us (slowest rank's median iteration: robust to a
+// rank being preempted now and then), busbw_p50 (busbw from p50_us) and cpu_us (the most CPU
+// time one rank's process spent per iteration, all its threads).
+#include <time.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -79,6 +85,12 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+double process_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
+}
+
 DType dtype_of_name(const std::string& s) { return s == "f32" ? DType::f32 : s == "bf16" ? DType::bf16 : DType::f16; }
 
 void run_rank(const Args& a) {
@@ -95,7 +107,8 @@ void run_rank(const Args& a) {
     if (!a.json) {
       std::printf("# tandem bench allreduce: backend %s, %d ranks, dtype %s, iters >= %d (+%d warmup), zero-copy buffers\n",
                   a.backend.c_str(), n, a.dtype.c_str(), a.iters, a.warmup);
-      std::printf("# %12s %12s %6s %12s %12s %12s\n", "bytes", "count", "dtype", "time_us", "algbw(GB/s)", "busbw(GB/s)");
+      std::printf("# %12s %12s %6s %12s %12s %12s %10s %10s %10s\n", "bytes", "count", "dtype", "time_us", "algbw(GB/s)",
+                  "busbw(GB/s)", "p50_us", "busbw_p50", "cpu_us");
     }
     std::fflush(stdout);
   }
@@ -106,22 +119,35 @@ void run_rank(const Args& a) {
     const int iters = static_cast<int>(std::min<size_t>(20000, std::max<size_t>(a.iters, (size_t{1} << 20) / bytes * a.iters / 4)));
     for (int i = 0; i < a.warmup; ++i) pg->all_reduce(buf)->wait();
     pg->barrier()->wait();
+    std::vector<double> each(static_cast<size_t>(iters));
+    const double cpu0 = process_cpu_us();
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) pg->all_reduce(buf)->wait();
-    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
-    double slowest = us;
-    pg->all_reduce(dist::Buffer{&slowest, 1, DType::f64, kCPU}, dist::ReduceOp::MAX)->wait();
+    auto prev = t0;
+    for (int i = 0; i < iters; ++i) {
+      pg->all_reduce(buf)->wait();
+      const auto now = std::chrono::steady_clock::now();
+      each[static_cast<size_t>(i)] = std::chrono::duration<double, std::micro>(now - prev).count();
+      prev = now;
+    }
+    const double us = std::chrono::duration<double, std::micro>(prev - t0).count() / iters;
+    const double cpu = (process_cpu_us() - cpu0) / iters;
+    std::nth_element(each.begin(), each.begin() + iters / 2, each.end());
+    double slowest[3] = {us, each[static_cast<size_t>(iters / 2)], cpu};  // mean, median, CPU
+    pg->all_reduce(dist::Buffer{slowest, 3, DType::f64, kCPU}, dist::ReduceOp::MAX)->wait();
     if (pg->rank() == 0) {
-      const double algbw = static_cast<double>(count * es) / (slowest * 1e3);
+      const double algbw = static_cast<double>(count * es) / (slowest[0] * 1e3);
       const double busbw = algbw * 2.0 * (n - 1) / n;
+      const double busbw_p50 = static_cast<double>(count * es) / (slowest[1] * 1e3) * 2.0 * (n - 1) / n;
       if (a.json) {
         std::printf("{\"backend\": \"%s\", \"nproc\": %d, \"bytes\": %zu, \"count\": %lld, \"dtype\": \"%s\", "
-                    "\"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f}\n",
+                    "\"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, \"p50_us\": %.3f, \"busbw_p50\": %.4f, "
+                    "\"cpu_us\": %.3f}\n",
                     a.backend.c_str(), n, static_cast<size_t>(count) * es, static_cast<long long>(count), a.dtype.c_str(),
-                    slowest, algbw, busbw);
+                    slowest[0], algbw, busbw, slowest[1], busbw_p50, slowest[2]);
       } else {
-        std::printf("  %12zu %12lld %6s %12.2f %12.3f %12.3f\n", static_cast<size_t>(count) * es,
-                    static_cast<long long>(count), a.dtype.c_str(), slowest, algbw, busbw);
+        std::printf("  %12zu %12lld %6s %12.2f %12.3f %12.3f %10.2f %10.3f %10.2f\n", static_cast<size_t>(count) * es,
+                    static_cast<long long>(count), a.dtype.c_str(), slowest[0], algbw, busbw, slowest[1], busbw_p50,
+                    slowest[2]);
       }
       std::fflush(stdout);
     }

@@ -327,6 +327,83 @@ TEST(Shm, F32RandomDataWithinSummationToleranceAndIdenticalOnAllRanks) {
   }
 }
 
+// ---- 16-bit kernels: the vector paths (AVX-512 BF16, AVX-512F/F16C) against the generic
+// loops and a scalar model, bit for bit: widen, combine in f32 in input order, divide (AVG),
+// round once to nearest even; bf16 flushes f32 subnormal results to a signed zero (as
+// vcvtne2ps2bf16 does) on every path. NaN results only need to be NaN (payload propagation
+// depends on operand order, which the compiler may swap for a commutative add).
+
+uint16_t model_round(DType d, float v) {
+  if (d == DType::f16) return tandem::detail::float_to_half_bits(v);
+  uint32_t x;
+  std::memcpy(&x, &v, 4);
+  if ((x & 0x7f800000u) == 0) x &= 0x80000000u;
+  std::memcpy(&v, &x, 4);
+  return tandem::detail::float_to_bf16_bits(v);
+}
+float model_widen(DType d, uint16_t b) {
+  return d == DType::f16 ? tandem::detail::half_bits_to_float(b) : tandem::detail::bf16_bits_to_float(b);
+}
+bool is_nan16(DType d, uint16_t b) {
+  return d == DType::f16 ? (b & 0x7c00u) == 0x7c00u && (b & 0x3ffu) != 0 : (b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0;
+}
+
+TEST(Shm, SixteenBitKernelsMatchGenericLoopsAndScalarModelBitForBit) {
+  std::mt19937 gen(7);
+  const ReduceOp ops[] = {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::PRODUCT, ReduceOp::MAX, ReduceOp::MIN};
+  for (DType d : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(tandem::dist::shm::short_dtype_name(d)) + " via " + tandem::dist::shm::kernel_name(d));
+    for (int nin : {1, 2, 3, 5}) {
+      for (int64_t count : {int64_t{1}, int64_t{7}, int64_t{31}, int64_t{32}, int64_t{33}, int64_t{100}, int64_t{20000}}) {
+        // Half the elements: random bits (NaN, inf, subnormals, huge and tiny values); half:
+        // moderate values whose sums round (ties and near-ties included).
+        std::vector<std::vector<uint16_t>> in(nin, std::vector<uint16_t>(static_cast<size_t>(count)));
+        std::uniform_int_distribution<int> bits(0, 0xffff);
+        std::uniform_real_distribution<float> mod(-4.0f, 4.0f);
+        for (auto& v : in) {
+          for (size_t i = 0; i < v.size(); ++i) {
+            v[i] = (i % 2 == 0) ? static_cast<uint16_t>(bits(gen)) : model_round(d, mod(gen));
+          }
+        }
+        std::vector<const void*> ptrs;
+        for (auto& v : in) ptrs.push_back(v.data());
+        for (ReduceOp op : ops) {
+          std::vector<uint16_t> fast(static_cast<size_t>(count)), generic(static_cast<size_t>(count));
+          tandem::dist::shm::reduce_arrays(fast.data(), ptrs.data(), nin, count, d, op, nin);
+          tandem::dist::shm::reduce_arrays_generic(generic.data(), ptrs.data(), nin, count, d, op, nin);
+          for (int64_t i = 0; i < count; ++i) {
+            float acc = model_widen(d, in[0][static_cast<size_t>(i)]);
+            for (int k = 1; k < nin; ++k) {
+              const float b = model_widen(d, in[k][static_cast<size_t>(i)]);
+              if (op == ReduceOp::SUM || op == ReduceOp::AVG) acc = acc + b;
+              else if (op == ReduceOp::PRODUCT) acc = acc * b;
+              else if (op == ReduceOp::MAX) acc = b > acc ? b : acc;
+              else acc = b < acc ? b : acc;
+            }
+            if (op == ReduceOp::AVG) acc = acc / static_cast<float>(nin);
+            const uint16_t want = model_round(d, acc);
+            const size_t u = static_cast<size_t>(i);
+            if (is_nan16(d, want)) {
+              ASSERT_TRUE(is_nan16(d, fast[u]) && is_nan16(d, generic[u]))
+                  << reduce_op_name(op) << " nin " << nin << " count " << count << " i " << i;
+            } else {
+              ASSERT_EQ(fast[u], want) << reduce_op_name(op) << " nin " << nin << " count " << count << " i " << i;
+              ASSERT_EQ(generic[u], want) << reduce_op_name(op) << " nin " << nin << " count " << count << " i " << i;
+            }
+          }
+        }
+        // In place (out is input 0), as the backend calls it.
+        std::vector<uint16_t> want(static_cast<size_t>(count));
+        tandem::dist::shm::reduce_arrays_generic(want.data(), ptrs.data(), nin, count, d, ReduceOp::SUM, nin);
+        tandem::dist::shm::reduce_arrays(in[0].data(), ptrs.data(), nin, count, d, ReduceOp::SUM, nin);
+        for (size_t i = 0; i < want.size(); ++i) {
+          if (!is_nan16(d, want[i])) ASSERT_EQ(in[0][i], want[i]) << "in place, i " << i;
+        }
+      }
+    }
+  }
+}
+
 // ---- bf16: one rounding ----
 
 double bf16_ulp(double x) {

@@ -20,6 +20,16 @@ namespace tandem::dist::shm {
 void reduce_arrays(void* out, const void* const* in, int nin, int64_t count, DType dtype, ReduceOp op,
                    int avg_divisor);
 
+// Which implementation reduce_arrays uses for `dtype` on this CPU: "avx512bf16" (bf16),
+// "avx512f+f16c" / "avx2+f16c" (f16), or "generic" (compiler-vectorised loops; also forced for
+// every dtype by TANDEM_SHM_KERNELS=generic). Every path gives the same bits: bf16 rounding
+// flushes f32 subnormals to zero everywhere, as vcvtne2ps2bf16 does.
+const char* kernel_name(DType dtype);
+
+// reduce_arrays through the generic loops whatever the CPU (tests compare the two paths).
+void reduce_arrays_generic(void* out, const void* const* in, int nin, int64_t count, DType dtype, ReduceOp op,
+                           int avg_divisor);
+
 // The short names used in fingerprints and errors: "f32", "bf16", "i64", "bool", ...
 const char* short_dtype_name(DType dtype);
 
