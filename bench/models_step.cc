@@ -103,18 +103,24 @@ td::Tensor linear_bf16(const td::nn::Linear& l, const td::Tensor& x) {
 // CNN: conv2d in bf16 (bf16 input and weight copy); BatchNorm2d takes the bf16 activations with
 // its f32 affine parameters and running stats, computes the statistics in f32 and returns bf16
 // (autocast leaves batch_norm alone, so it also runs on bf16 there); ReLU and the spatial mean in
-// bf16; fc in bf16; logits to f32 for cross_entropy (autocast's fp32 op).
+// bf16; fc in bf16; logits to f32 for cross_entropy (autocast's fp32 op). As in Cnn::forward,
+// each [BatchNorm2d, ReLU] pair is the fused BatchNorm::forward_relu and the mean over H, W the
+// global average pool.
 td::Tensor cnn_forward_bf16(td::nn::models::Cnn& m, const td::Tensor& x) {
   td::Tensor h = bf16(x);
   const td::nn::Sequential& f = *m.features;
   for (size_t i = 0; i < f.size(); ++i) {
     if (auto conv = std::dynamic_pointer_cast<td::nn::Conv2d>(f[i])) {
       h = td::ops::conv2d(h, bf16(conv->weight), bf16(conv->bias), conv->conv);
+    } else if (auto bn = std::dynamic_pointer_cast<td::nn::BatchNorm>(f[i]);
+               bn && i + 1 < f.size() && std::dynamic_pointer_cast<td::nn::ReLU>(f[i + 1])) {
+      h = bn->forward_relu(h);  // training: batch stats in f32, running stats updated; then ReLU
+      ++i;
     } else {
-      h = (*f[i])(h);  // BatchNorm2d (training: batch stats in f32, running stats updated), ReLU
+      h = (*f[i])(h);
     }
   }
-  return linear_bf16(*m.fc, td::ops::mean(h, {2, 3})).to(td::kFloat32);
+  return linear_bf16(*m.fc, td::ops::adaptive_avg_pool2d(h, {1, 1}).view({h.size(0), h.size(1)})).to(td::kFloat32);
 }
 
 // GPT, in autocast's dtype flow: embeddings (not an autocast op) and so the residual stream stay

@@ -216,6 +216,71 @@ TEST(NormGradcheck, BatchNormTrainingAndEval) {
                         {leaf({3, 4, 5}, -1, 1, 504), w, b}));
 }
 
+// batch_norm_relu (the fused [BatchNorm2d, ReLU] of the W2 blocks): f64 gradcheck in training
+// and eval, both layouts; and equal to relu(batch_norm(x)) forward and backward. The fused op runs
+// the same float arithmetic and masks with the same output, so f32 and bf16 agree bitwise.
+TEST(NormGradcheck, BatchNormReluFusedEqualsComposed) {
+  const Tensor x = leaf({3, 4, 3, 2}, -1, 2, 560);
+  const Tensor w = leaf({4}, 0.5, 1.5, 561), b = leaf({4}, -1, 1, 562);
+  const Tensor rm = tensor(std::vector<double>{0.1, -0.2, 0.3, 0.0}, {4}, kFloat64);
+  const Tensor rv = tensor(std::vector<double>{0.5, 1.5, 2.0, 0.8}, {4}, kFloat64);
+  for (bool cl : {false, true}) {
+    SCOPED_TRACE(cl ? "channels-last input" : "NCHW input");
+    auto in = [cl](const Tensor& t) { return cl ? channels_last(t) : t; };
+    EXPECT_TRUE(tight_gradcheck([in](const V& v) { return ops::batch_norm_relu(in(v[0]), {}, {}, v[1], v[2], true); }, {x, w, b}));
+    EXPECT_TRUE(tight_gradcheck([in, rm, rv](const V& v) { return ops::batch_norm_relu(in(v[0]), rm, rv, v[1], v[2], false); },
+                                {x, w, b}));
+  }
+  for (DType dt : {kFloat32, kBFloat16}) {
+    for (bool cl : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (cl ? " channels-last" : " NCHW"));
+      const Tensor x0 = leaf({4, 16, 5, 6}, -2, 3, 570, dt).detach();
+      const Tensor xi = cl ? channels_last(x0) : x0;
+      Tensor xa = xi.detach(), xb = xi.detach();
+      xa.requires_grad_(true);
+      xb.requires_grad_(true);
+      const Tensor wa = leaf({16}, 0.5, 1.5, 571, kFloat32), ba = leaf({16}, -1, 1, 572, kFloat32);
+      Tensor wb = wa.detach().clone(), bb = ba.detach().clone();
+      wb.requires_grad_(true);
+      bb.requires_grad_(true);
+      Tensor rma = zeros({16}), rva = ones({16}), rmb = zeros({16}), rvb = ones({16});
+      const Tensor ya = ops::batch_norm_relu(xa, rma, rva, wa, ba, true);
+      const Tensor yb = ops::relu(ops::batch_norm(xb, rmb, rvb, wb, bb, true));
+      EXPECT_EQ(ya.strides(), yb.strides());
+      EXPECT_TRUE(all_close(ya, yb, 0, 0)) << "forward";
+      EXPECT_TRUE(all_close(rma, rmb, 0, 0) && all_close(rva, rvb, 0, 0)) << "running stats";
+      const Tensor gy = leaf(ya.shape(), -1, 1, 573, dt).detach();
+      const V ga = autograd::grad({ops::sum(ops::mul(ya.to(kFloat32), gy.to(kFloat32)))}, {xa, wa, ba});
+      const V gb = autograd::grad({ops::sum(ops::mul(yb.to(kFloat32), gy.to(kFloat32)))}, {xb, wb, bb});
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(all_close(ga[i], gb[i], 0, 0)) << "gradient " << i;
+    }
+  }
+}
+
+// The global average pool (adaptive_avg_pool2d to 1 x 1, the W2 "mean over H, W"): reads a
+// channels-last input in place and returns its gradient channels-last; values as mean((2, 3))
+// (f32: a 30-term f32 sum, rel 1e-6), f64 gradcheck in both layouts.
+TEST(PoolGradcheck, GlobalAvgPoolKeepsChannelsLast) {
+  for (bool cl : {false, true}) {
+    SCOPED_TRACE(cl ? "channels-last" : "NCHW");
+    auto in = [cl](const Tensor& t) { return cl ? channels_last(t) : t; };
+    EXPECT_TRUE(tight_gradcheck([in](const V& v) { return ops::adaptive_avg_pool2d(in(v[0]), {1, 1}); },
+                                {leaf({2, 5, 3, 4}, -1, 1, 580)}));
+    for (DType dt : {kFloat32, kBFloat16}) {
+      Tensor x = in(leaf({3, 8, 5, 6}, -1, 1, 581, dt).detach());
+      x.requires_grad_(true);
+      const Tensor y = ops::adaptive_avg_pool2d(x, {1, 1});
+      EXPECT_EQ(y.shape(), (Shape{3, 8, 1, 1}));
+      EXPECT_EQ(y.dtype(), dt);
+      const Tensor ref = ops::mean(x.detach().to(kFloat32), {2, 3}, true);
+      EXPECT_TRUE(all_close(y.to(kFloat32), ref, dt == kBFloat16 ? kUBf16 : 1e-6, 0));
+      const Tensor gx = autograd::grad({ops::sum(y.to(kFloat32))}, {x})[0];
+      EXPECT_EQ(gx.strides(), x.strides());
+      EXPECT_TRUE(all_close(gx.to(kFloat32), full(x.shape(), 1.0 / 30.0), dt == kBFloat16 ? kUBf16 : 1e-7, 0));
+    }
+  }
+}
+
 TEST(NormGradcheck, LayerNormOneAndTwoDims) {
   const Tensor x = leaf({2, 3, 5}, -1, 2, 510);
   EXPECT_TRUE(tight_gradcheck([](const V& v) { return ops::layer_norm(v[0], {5}, v[1], v[2]); },

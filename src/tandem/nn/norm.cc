@@ -1,6 +1,7 @@
 #include "tandem/nn/norm.h"
 
 #include "tandem/autograd/grad_mode.h"
+#include "tandem/ops/elementwise.h"
 #include "tandem/ops/norm.h"
 
 namespace tandem::nn {
@@ -19,20 +20,24 @@ BatchNorm::BatchNorm(int64_t n, int64_t expected_dims, const BatchNormOptions& o
   }
 }
 
-Tensor BatchNorm::forward(const Tensor& x) {
+Tensor BatchNorm::forward(const Tensor& x) { return forward_impl(x, false); }
+
+Tensor BatchNorm::forward_relu(const Tensor& x) { return forward_impl(x, true); }
+
+Tensor BatchNorm::forward_impl(const Tensor& x, bool relu) {
   const bool ok = expected_dims_ == 4 ? x.dim() == 4 : (x.dim() == 2 || x.dim() == 3);
   TANDEM_CHECK(ok, ShapeError, "{}: expected {} input, got shape {}", type_name(),
                expected_dims_ == 4 ? "4-d (N, C, H, W)" : "2-d (N, C) or 3-d (N, C, L)", shape_str(x.shape()));
   TANDEM_CHECK(x.size(1) == num_features, ShapeError, "{}: expected {} channels, got input of shape {}", type_name(),
                num_features, shape_str(x.shape()));
-  if (is_training() && training_forward) return training_forward(*this, x);
+  if (is_training() && training_forward) return relu ? ops::relu(training_forward(*this, x)) : training_forward(*this, x);
   const bool use_batch_stats = is_training() || !options.track_running_stats;
   if (is_training() && options.track_running_stats) {
     NoGradGuard no_grad;
     *num_batches_tracked.data_ptr<int64_t>() += 1;
   }
   const bool update = is_training() && options.track_running_stats;
-  return ops::batch_norm(x, update || !use_batch_stats ? running_mean : Tensor(),
+  return (relu ? ops::batch_norm_relu : ops::batch_norm)(x, update || !use_batch_stats ? running_mean : Tensor(),
                          update || !use_batch_stats ? running_var : Tensor(), weight, bias, use_batch_stats,
                          options.momentum, options.eps);
 }

@@ -21,6 +21,8 @@ class BatchNorm : public Module {
  public:
   BatchNorm(int64_t num_features, int64_t expected_dims, const BatchNormOptions& options, std::string type_name);
   Tensor forward(const Tensor& x) override;
+  // relu(forward(x)) as one fused op (ops::batch_norm_relu): what a [BatchNorm, ReLU] pair runs.
+  Tensor forward_relu(const Tensor& x);
   std::string extra_repr() const override;
 
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
@@ -31,6 +33,7 @@ class BatchNorm : public Module {
   std::function<Tensor(BatchNorm&, const Tensor&)> training_forward;
 
  private:
+  Tensor forward_impl(const Tensor& x, bool relu);
   int64_t expected_dims_;  // 2 means "2 or 3" (BatchNorm1d)
 };
 

@@ -1,6 +1,7 @@
 // conv2d and the pools, with their backward beside them.
 #include "tandem/ops/conv.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -228,11 +229,90 @@ Tensor avg_pool2d(const Tensor& x, const Pool2dOptions& o) {
   return avg_op(x, a, "AvgPool2dBackward");
 }
 
+namespace {
+
+bool is_channels_last(const Tensor& x) {
+  if (x.dim() != 4 || x.is_contiguous() || !x.is_non_overlapping_and_dense()) return false;
+  const Shape cl = kernels::channels_last_strides(x.shape());
+  for (int d = 0; d < 4; ++d) {
+    if (x.size(d) != 1 && x.stride(d) != cl[d]) return false;
+  }
+  return true;
+}
+
+// Global average pooling (output 1 x 1), the CNN's "mean over H, W": one pass over x in its own
+// layout (a channels-last activation is read as rows of C, no transposing copy), accumulated in
+// f32 (f64 for f64) and rounded once; the gradient is written back in x's layout, so the layers
+// before it keep channels-last end to end.
+Tensor global_avg_pool(const Tensor& x_in) {
+  Tensor x = x_in.detach();
+  const bool cl = is_channels_last(x);
+  if (!cl) x = x.contiguous();
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const DType dt = x.dtype();
+  Tensor y = empty({N, C, 1, 1}, dt);
+  TANDEM_DISPATCH_FLOATING(dt, "adaptive_avg_pool2d", [&] {
+    using T = scalar_t;
+    using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    const T* px = static_cast<const T*>(x.data_ptr());
+    T* py = static_cast<T*>(y.data_ptr());
+    parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<Acc> acc(static_cast<size_t>(C));
+      for (int64_t n = lo; n < hi; ++n) {
+        if (cl) {
+          std::fill(acc.begin(), acc.end(), Acc(0));
+          for (int64_t i = 0; i < HW; ++i) {
+            const T* row = px + (n * HW + i) * C;
+            for (int64_t c = 0; c < C; ++c) acc[c] += static_cast<Acc>(static_cast<compute_t<T>>(row[c]));
+          }
+          for (int64_t c = 0; c < C; ++c) py[n * C + c] = static_cast<T>(acc[c] / static_cast<Acc>(HW));
+        } else {
+          for (int64_t c = 0; c < C; ++c) {
+            const T* plane = px + (n * C + c) * HW;
+            Acc s = 0;
+            for (int64_t i = 0; i < HW; ++i) s += static_cast<Acc>(static_cast<compute_t<T>>(plane[i]));
+            py[n * C + c] = static_cast<T>(s / static_cast<Acc>(HW));
+          }
+        }
+      }
+    });
+  });
+  record("AdaptiveAvgPool2dBackward", {x_in}, {y}, [shape = x.shape(), cl, dt](const G& g) {
+    const int64_t N = shape[0], C = shape[1], HW = shape[2] * shape[3];
+    const Tensor gy = g[0].to(dt).contiguous();
+    Tensor gx = cl ? empty_strided(shape, kernels::channels_last_strides(shape), dt) : empty(shape, dt);
+    TANDEM_DISPATCH_FLOATING(dt, "adaptive_avg_pool2d backward", [&] {
+      using T = scalar_t;
+      using Acc = compute_t<T>;
+      const T* pg = static_cast<const T*>(gy.data_ptr());
+      T* px = static_cast<T*>(gx.data_ptr());
+      parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<T> v(static_cast<size_t>(C));
+        for (int64_t n = lo; n < hi; ++n) {
+          for (int64_t c = 0; c < C; ++c) v[c] = static_cast<T>(static_cast<Acc>(pg[n * C + c]) / static_cast<Acc>(HW));
+          if (cl) {
+            for (int64_t i = 0; i < HW; ++i) std::copy(v.begin(), v.end(), px + (n * HW + i) * C);
+          } else {
+            for (int64_t c = 0; c < C; ++c) std::fill(px + (n * C + c) * HW, px + (n * C + c + 1) * HW, v[c]);
+          }
+        }
+      });
+    });
+    return G{gx};
+  });
+  return y;
+}
+
+}  // namespace
+
 Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int64_t, 2> out) {
   TANDEM_CHECK(x.dim() == 4, ShapeError, "adaptive_avg_pool2d: expected a 4-d input (N, C, H, W), got {}",
                shape_str(x.shape()));
   TANDEM_CHECK(out[0] >= 1 && out[1] >= 1, ValueError, "adaptive_avg_pool2d: output size ({}, {}) must be positive",
                out[0], out[1]);
+  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "adaptive_avg_pool2d: expected a floating input, got {}",
+               dtype_name(x.dtype()));
+  if (out[0] == 1 && out[1] == 1) return global_avg_pool(x);
   AvgPlan a{x.size(0), x.size(1), x.size(2), x.size(3), out[0], out[1], {}, {}, {}, {}, {}};
   for (int64_t i = 0; i < out[0]; ++i) {
     a.h0.push_back(i * a.H / out[0]);

@@ -90,25 +90,36 @@ void channel_sums(const Layout& l, std::vector<double>& a, std::vector<double>& 
     }
 }
 
-// out[i] = ka[c] * u(i) + kb[c] * v(i) + k0[c] for every element i of channel c.
-template <class T, class U, class V>
+// out[i] = ka[c] * u(i) + kb[c] * v(i) + k0[c] for every element i of channel c (then max(0, .)
+// with Relu: batch_norm_relu's fused forward).
+template <bool Relu = false, class T, class U, class V>
 void channel_affine(const Layout& l, T* out, const std::vector<float>& ka, const std::vector<float>& kb,
                     const std::vector<float>& k0, U u, V v) {
+  auto act = [](float r) { return Relu ? (r > 0.0f ? r : 0.0f) : r; };
   const int64_t C = l.C;
   parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t o = lo; o < hi; ++o) {
       if (l.inner == 1) {
         const int64_t base = o * C;
-        for (int64_t c = 0; c < C; ++c) out[base + c] = static_cast<T>(ka[c] * u(base + c) + kb[c] * v(base + c) + k0[c]);
+        for (int64_t c = 0; c < C; ++c) out[base + c] = static_cast<T>(act(ka[c] * u(base + c) + kb[c] * v(base + c) + k0[c]));
         continue;
       }
       for (int64_t c = 0; c < C; ++c) {
         const int64_t base = (o * C + c) * l.inner;
         const float a = ka[c], b = kb[c], z = k0[c];
-        for (int64_t i = 0; i < l.inner; ++i) out[base + i] = static_cast<T>(a * u(base + i) + b * v(base + i) + z);
+        for (int64_t i = 0; i < l.inner; ++i) out[base + i] = static_cast<T>(act(a * u(base + i) + b * v(base + i) + z));
       }
     }
   });
+}
+
+// The fused ReLU's backward for one element: g where the output y was positive, else 0. Both
+// loads happen unconditionally and the choice is a select, not a branch (the mask is ~50%
+// random: a branch here mispredicts and stops the loops vectorising).
+template <class T>
+inline float relu_mask(T g, T y) {
+  const float gf = static_cast<float>(g), yf = static_cast<float>(y);
+  return yf > 0.0f ? gf : 0.0f;
 }
 
 // Per-channel mean and biased variance: a float pass for the mean, then one for the squared
@@ -142,8 +153,14 @@ void check_param(const Tensor& t, int64_t C, const char* what, const char* op) {
 
 }  // namespace
 
-Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum, double eps) {
+namespace {
+
+// batch_norm, and with relu also the ReLU after it in the same passes: forward writes
+// max(0, y) directly; backward masks the incoming gradient with (output > 0) inside the
+// per-channel sums and the final affine pass, so neither the ReLU's output nor its gradient is
+// ever a tensor of its own.
+Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                       const Tensor& bias, bool training, double momentum, double eps, bool relu) {
   TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "batch_norm: expected an input of shape (N, C, *), got {}",
                shape_str(x_in.shape()));
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "batch_norm: expected a floating input, got {}",
@@ -203,15 +220,18 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
           for (int64_t i = 0; i < l.inner; ++i) {
             const int64_t k = (o * C + c) * l.inner + i;
             py[k] = (px[k] - mean[c]) * invstd[c] * w[c] + b[c];
+            if (relu && !(py[k] > 0)) py[k] = 0;
           }
+    } else if (relu) {
+      channel_affine<true>(l, static_cast<T*>(y.data_ptr()), scale, none, shift, xv, zero);
     } else {
       channel_affine(l, static_cast<T*>(y.data_ptr()), scale, none, shift, xv, zero);
     }
   });
   std::vector<Tensor> inputs{x_in, weight, bias};
-  record("BatchNormBackward", inputs, {y},
+  record(relu ? "BatchNormReluBackward" : "BatchNormBackward", inputs, {y},
          [x, l, mean, invstd, w, training, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
-          bdt = bias.defined() ? bias.dtype() : kFloat32](const G& g) {
+          bdt = bias.defined() ? bias.dtype() : kFloat32, out = relu ? y.detach() : Tensor()](const G& g) {
            Tensor gy = g[0];
            if (gy.strides() != x.strides()) {
              Tensor same = empty_strided(x.shape(), x.strides(), gy.dtype());
@@ -228,6 +248,8 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
              using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
              const T* px = static_cast<const T*>(x.data_ptr());
              const T* pg = static_cast<const T*>(gy.data_ptr());
+             // The fused ReLU's mask: the gradient counts only where the output was positive.
+             const T* pm = out.defined() ? static_cast<const T*>(out.data_ptr()) : nullptr;
              std::vector<A> mf(mean.begin(), mean.end());
              if constexpr (std::is_same_v<T, double>) {
                // f64 (gradcheck) accumulates in f64 throughout.
@@ -237,9 +259,15 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
                  for (int64_t c = 0; c < C; ++c)
                    for (int64_t i = 0; i < l.inner; ++i) {
                      const int64_t k = (o * C + c) * l.inner + i;
-                     sum_dy[c] += pg[k];
-                     sum_dy_xc[c] += pg[k] * (px[k] - mean[c]);
+                     const double gk = pm && !(static_cast<double>(pm[k]) > 0) ? 0.0 : static_cast<double>(pg[k]);
+                     sum_dy[c] += gk;
+                     sum_dy_xc[c] += gk * (px[k] - mean[c]);
                    }
+             } else if (pm) {
+               auto gv = [pg, pm](int64_t i) { return relu_mask(pg[i], pm[i]); };
+               channel_sums<float>(
+                   l, sum_dy, sum_dy_xc, [gv](int64_t i, int64_t) { return gv(i); },
+                   [gv, px, &mf](int64_t i, int64_t c) { return gv(i) * (static_cast<float>(px[i]) - mf[c]); });
              } else {
                channel_sums<float>(
                    l, sum_dy, sum_dy_xc, [pg](int64_t i, int64_t) { return static_cast<float>(pg[i]); },
@@ -266,13 +294,18 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
                  for (int64_t c = 0; c < C; ++c)
                    for (int64_t i = 0; i < l.inner; ++i) {
                      const int64_t k = (o * C + c) * l.inner + i;
-                     po[k] = k_gy[c] * pg[k] + k_x[c] * px[k] + k_0[c];
+                     const double gk = pm && !(static_cast<double>(pm[k]) > 0) ? 0.0 : static_cast<double>(pg[k]);
+                     po[k] = k_gy[c] * gk + k_x[c] * px[k] + k_0[c];
                    }
              } else {
                const std::vector<float> fg(k_gy.begin(), k_gy.end()), fx(k_x.begin(), k_x.end()), f0(k_0.begin(), k_0.end());
-               channel_affine(
-                   l, po, fg, fx, f0, [pg](int64_t i) { return static_cast<float>(pg[i]); },
-                   [px](int64_t i) { return static_cast<float>(px[i]); });
+               auto xv = [px](int64_t i) { return static_cast<float>(px[i]); };
+               if (pm) {
+                 channel_affine(
+                     l, po, fg, fx, f0, [pg, pm](int64_t i) { return relu_mask(pg[i], pm[i]); }, xv);
+               } else {
+                 channel_affine(l, po, fg, fx, f0, [pg](int64_t i) { return static_cast<float>(pg[i]); }, xv);
+               }
              }
            });
            std::vector<double> sum_dy_xhat(static_cast<size_t>(C));
@@ -282,6 +315,18 @@ Tensor batch_norm(const Tensor& x_in, const Tensor& running_mean, const Tensor& 
            return G{gx, gw, gb};
          });
   return y;
+}
+
+}  // namespace
+
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  return batch_norm_impl(x, running_mean, running_var, weight, bias, training, momentum, eps, false);
+}
+
+Tensor batch_norm_relu(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                       const Tensor& bias, bool training, double momentum, double eps) {
+  return batch_norm_impl(x, running_mean, running_var, weight, bias, training, momentum, eps, true);
 }
 
 namespace {

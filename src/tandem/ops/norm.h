@@ -12,6 +12,12 @@ namespace tandem::ops {
 Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
 
+// relu(batch_norm(...)) in the same passes over the data (the [BatchNorm2d, ReLU] pair of a conv
+// block): same arguments and results as the two ops in sequence, without the intermediate
+// tensor, the ReLU pass and the ReLU's backward pass.
+Tensor batch_norm_relu(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                       const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5);
+
 // Normalises over the last normalized_shape.size() dims; weight/bias optional of that shape.
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = Tensor(),
                   const Tensor& bias = Tensor(), double eps = 1e-5);
