@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -101,12 +102,32 @@ struct Desc {
     return op == o.op && (op == Op::barrier || (dtype == o.dtype && count == o.count)) &&
            (!has_root(op) || root == o.root) && (!has_redop(op) || redop == o.redop);
   }
-  std::string str() const {
-    if (op == Op::barrier) return fmt::format("barrier #{}", seq);
-    std::string extra;
-    if (has_root(op)) extra += fmt::format(", root {}", root);
-    if (has_redop(op)) extra += fmt::format(", {}", reduce_op_name(redop));
-    return fmt::format("{} #{} ({}, {}{})", op_name(op), seq, short_dtype_name(dtype), count, extra);
+  // "all_reduce #12 (f32, 4096, SUM)" after `prefix`. Appended by hand rather than through
+  // fmt::format: it runs for every collective, on the latency path of small ones.
+  std::string str(const char* prefix = "") const {
+    std::string s;
+    s.reserve(64);
+    s += prefix;
+    char num[24];
+    auto append_int = [&](int64_t v) { s.append(num, std::to_chars(num, num + sizeof(num), v).ptr); };
+    s += op_name(op);
+    s += " #";
+    append_int(seq);
+    if (op == Op::barrier) return s;
+    s += " (";
+    s += short_dtype_name(dtype);
+    s += ", ";
+    append_int(count);
+    if (has_root(op)) {
+      s += ", root ";
+      append_int(root);
+    }
+    if (has_redop(op)) {
+      s += ", ";
+      s += reduce_op_name(redop);
+    }
+    s += ')';
+    return s;
   }
 };
 
@@ -262,6 +283,7 @@ class ShmGroup final : public ProcessGroup {
   std::optional<size_t> scratch_alloc(Ctx& c, size_t nbytes);
   void enter(Ctx& c, uint64_t code);
   void publish(int64_t seq, uint32_t step);
+  void publish_quiet(int64_t seq, uint32_t step);  // no wake-up: for steps nobody waits on
   void wait_progress(Ctx& c, int p, int64_t seq, uint32_t step, const char* what);
   void arrived(Ctx& c, int p);  // p entered c's collective, with a matching fingerprint
   void wait_all_final(Ctx& c);
@@ -414,7 +436,7 @@ std::shared_ptr<Work> ShmGroup::issue(Task t, size_t bytes) {
   const bool collective = t.op != Op::send && t.op != Op::recv;
   if (collective) t.seq = next_seq_++;
   t.work = std::make_shared<Work>(
-      collective ? "shm " + t.desc().str()
+      collective ? t.desc().str("shm ")
                  : fmt::format("shm {} {} rank {} (tag {}, {}, {})", op_name(t.op), t.op == Op::send ? "to" : "from",
                                t.peer, t.tag, short_dtype_name(t.a.dtype), t.a.count));
   const std::string& what = t.work->description();
@@ -521,6 +543,10 @@ void ShmGroup::run(Task& t) {
 }
 
 // ---- waiting, failing, diagnosing ----
+
+void ShmGroup::publish_quiet(int64_t seq, uint32_t step) {
+  ctl(rank()).progress.store((static_cast<uint64_t>(seq) << 32) | step, std::memory_order_release);
+}
 
 void ShmGroup::publish(int64_t seq, uint32_t step) {
   RankCtl& mine = ctl(rank());
@@ -657,6 +683,7 @@ std::string ShmGroup::diagnosis(Ctx& c, const char* label) const {
 void ShmGroup::wait_progress(Ctx& c, int p, int64_t seq, uint32_t step, const char* what) {
   const uint64_t target = (static_cast<uint64_t>(seq) << 32) | step;
   std::atomic<uint64_t>& prog = ctl(p).progress;
+  if (prog.load(std::memory_order_acquire) >= target) return;  // before building the closures
   wait_until(c, p, [&] { return prog.load(std::memory_order_acquire) >= target; },
              [&] { return fmt::format("rank {} ({})", p, what); });
 }
@@ -752,16 +779,28 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
   const size_t es = element_size(buf.dtype);
   const size_t nbytes = buf.nbytes();
   if (buf.count == 0) return;
-  std::vector<const void*> ins(n);
+  std::vector<const void*> ins_heap;
+  const void* ins_small[8];
+  if (n > 8) ins_heap.resize(n);
+  const void** ins_ptr = n > 8 ? ins_heap.data() : ins_small;
+  struct {
+    const void** p;
+    const void** data() const { return p; }
+    const void*& operator[](int i) const { return p[i]; }
+  } ins{ins_ptr};
   if (nbytes <= small_bytes_) {
     Exposure e = expose(c, buf.data, nbytes, true);
     enter(c, e.code);
     for (int i = 1; i < n; ++i) arrived(c, (me + i) % n);
     if (root < 0 || root == me) {
-      for (int p = 0; p < n; ++p) ins[p] = p == me ? e.ptr : peer_ptr(p, kSlotCode, seq);
+      // Our own input straight from the caller's buffer (same values as our slot, already in
+      // this core's cache); the output overwrites it element by element, which reduce_arrays allows.
+      for (int p = 0; p < n; ++p) ins[p] = p == me ? buf.data : peer_ptr(p, kSlotCode, seq);
       reduce_arrays(buf.data, ins.data(), n, buf.count, buf.dtype, op, n);
     }
-    publish(seq, kFinal);
+    // Nobody waits for this step (a slot is recycled once its readers entered the next
+    // collective), so a plain store: no fence, no wake-up check.
+    publish_quiet(seq, kFinal);
     return;
   }
   Exposure e = expose(c, buf.data, nbytes, true);
