@@ -6,6 +6,8 @@
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
+#include "tandem/kernels/cpu/row_math.h"
+#include "tandem/core/convert.h"
 #include "tandem/ops/elementwise.h"
 
 namespace tandem::ops {
@@ -25,6 +27,24 @@ void check_pair(const Tensor& a, const Tensor& b, const char* op) {
 // (M, K) @ (K, N) on 2-d views, no autograd.
 Tensor mm_raw(const Tensor& a, const Tensor& b) {
   return kernels::gemm(a.unsqueeze(0), b.unsqueeze(0), Tensor(), a.dtype()).squeeze(0);
+}
+
+// Bias gradient of linear: the column sums of g2 (M, N). 16-bit gradients: rows widened to f32
+// and added into an f32 accumulator row by row (kernels::sum's order and precision for these
+// dtypes, vectorised); other dtypes through sum_to.
+Tensor bias_grad(const Tensor& g2, int64_t N) {
+  if (!is_reduced_float(g2.dtype()) || !g2.is_contiguous()) return sum_to(g2, {N});
+  const int64_t M = g2.size(0);
+  std::vector<float> acc(static_cast<size_t>(N), 0.0f), row(static_cast<size_t>(N));
+  const char* p = static_cast<const char*>(g2.data_ptr());
+  const size_t es = g2.element_size();
+  for (int64_t r = 0; r < M; ++r) {
+    convert(p + static_cast<size_t>(r * N) * es, g2.dtype(), row.data(), kFloat32, N);
+    kernels::add_into_f32(acc.data(), row.data(), N);
+  }
+  Tensor out = empty({N}, g2.dtype());
+  convert(acc.data(), kFloat32, out.data_ptr(), g2.dtype(), N);
+  return out;
 }
 
 }  // namespace
@@ -106,7 +126,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     G grads(has_bias ? 3 : 2);
     if (rx) grads[0] = mm_raw(g2, w).view(xshape);     // (M, out) @ (out, in)
     if (rw) grads[1] = mm_raw(g2.t(), x2);             // (out, M) @ (M, in)
-    if (rb) grads[2] = sum_to(g2, {outf});
+    if (rb) grads[2] = bias_grad(g2, outf);
     return grads;
   });
   return out;

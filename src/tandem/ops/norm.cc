@@ -6,8 +6,10 @@
 // (batch_norm) or per outer index (layer/group norm).
 #include "tandem/ops/norm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <mutex>
 #include <vector>
 
 #include "tandem/amp/policy.h"
@@ -15,6 +17,7 @@
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/parallel.h"
 #include "tandem/kernels/cpu/conv.h"
+#include "tandem/kernels/cpu/row_math.h"
 
 namespace tandem::ops {
 
@@ -344,6 +347,10 @@ void row_stats(const T* x, int64_t rows, int64_t D, double eps, std::vector<doub
   mean.resize(static_cast<size_t>(rows));
   rstd.resize(static_cast<size_t>(rows));
   parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(D, 1)), [&](int64_t lo, int64_t hi) {
+    if constexpr (std::is_same_v<T, float>) {  // vectorised row kernel, same two-pass formula
+      for (int64_t r = lo; r < hi; ++r) kernels::row_moments_f32(x + r * D, D, eps, mean[r], rstd[r]);
+      return;
+    }
     for (int64_t r = lo; r < hi; ++r) {
       // Partial sums in the input's accumulation type (f32 for f32/bf16/f16, vectorised) over
       // blocks of 256, gathered in f64.
@@ -387,6 +394,17 @@ struct AffineIndex {
 Tensor row_norm_forward(const RowNorm& rn, const std::vector<double>& w, const std::vector<double>& b, const AffineIndex& ix,
                         const Shape& shape) {
   Tensor y = empty(shape, rn.x.dtype());
+  if (ix.layer && rn.x.dtype() == kFloat32) {  // layer_norm in f32: the vectorised row kernel
+    const std::vector<float> wf(w.begin(), w.end()), bf(b.begin(), b.end());
+    const float* px = rn.x.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    parallel_for(0, rn.rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(rn.D, 1)), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
+        kernels::layer_norm_row_f32(px + r * rn.D, py + r * rn.D, rn.D, static_cast<float>(rn.mean[r]),
+                                    static_cast<float>(rn.rstd[r]), wf.data(), bf.data());
+    });
+    return y;
+  }
   TANDEM_DISPATCH_FLOATING(rn.x.dtype(), "layer_norm", [&] {
     using T = scalar_t;
     using A = Acc<T>;
@@ -419,6 +437,47 @@ G row_norm_backward(const RowNorm& rn, const Tensor& gy_in, const std::vector<do
   const Tensor gy = gy_in.to(rn.x.dtype()).contiguous();
   Tensor gx = empty(shape, rn.x.dtype());
   std::vector<double> gw(static_cast<size_t>(nparams), 0.0), gb(static_cast<size_t>(nparams), 0.0);
+  if (ix.layer && rn.x.dtype() == kFloat32) {
+    // layer_norm in f32: vectorised rows; gw, gb summed in f32 over blocks of kFlush rows, the
+    // blocks gathered in f64 (as the generic path's per-element f64 sums, to f32 rounding).
+    constexpr int64_t kFlush = 32;
+    const std::vector<float> wf(w.begin(), w.end());
+    const float* px = rn.x.data_ptr<float>();
+    const float* pg = gy.data_ptr<float>();
+    float* po = gx.data_ptr<float>();
+    std::mutex mu;
+    struct Part {
+      int64_t lo;
+      std::vector<double> dw, db;
+    };
+    std::vector<Part> parts;
+    parallel_for(0, rn.rows, std::max<int64_t>(kFlush, 8192 / std::max<int64_t>(rn.D, 1)), [&](int64_t lo, int64_t hi) {
+      std::vector<float> pw(static_cast<size_t>(rn.D)), pb(static_cast<size_t>(rn.D));
+      std::vector<double> dw(static_cast<size_t>(rn.D), 0.0), db(static_cast<size_t>(rn.D), 0.0);
+      for (int64_t r0 = lo; r0 < hi; r0 += kFlush) {
+        std::fill(pw.begin(), pw.end(), 0.0f);
+        std::fill(pb.begin(), pb.end(), 0.0f);
+        for (int64_t r = r0; r < std::min(hi, r0 + kFlush); ++r)
+          kernels::layer_norm_backward_row_f32(px + r * rn.D, pg + r * rn.D, po + r * rn.D, rn.D,
+                                               static_cast<float>(rn.mean[r]), static_cast<float>(rn.rstd[r]), wf.data(),
+                                               pw.data(), pb.data());
+        for (int64_t j = 0; j < rn.D; ++j) {
+          dw[j] += pw[j];
+          db[j] += pb[j];
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      parts.push_back({lo, std::move(dw), std::move(db)});
+    });
+    // Chunks summed in row order, so the result does not depend on thread timing.
+    std::sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) { return a.lo < b.lo; });
+    for (const Part& part : parts)
+      for (int64_t j = 0; j < rn.D; ++j) {
+        gw[j] += part.dw[j];
+        gb[j] += part.db[j];
+      }
+    return G{gx, need_w ? tensor(gw, {nparams}, wdt) : Tensor(), need_b ? tensor(gb, {nparams}, bdt) : Tensor()};
+  }
   TANDEM_DISPATCH_FLOATING(rn.x.dtype(), "layer_norm backward", [&] {
     using T = scalar_t;
     using A = Acc<T>;

@@ -324,10 +324,36 @@ std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>
                x.size(dim));
   std::vector<Tensor> out;
   int64_t at = 0;
+  if (sizes.size() < 2 || !autograd::any_requires_grad({&x})) {
+    for (int64_t s : sizes) {
+      out.push_back(x.narrow(dim, at, s));
+      at += s;
+    }
+    return out;
+  }
+  // One backward node for all pieces (as PyTorch's SplitBackward): the input gradient is built
+  // once, each piece's gradient copied into its slice, zeros only where a piece got none —
+  // instead of one zero-filled full-size gradient per piece, summed afterwards.
   for (int64_t s : sizes) {
-    out.push_back(x.narrow(dim, at, s));
+    Shape shp = x.shape();
+    shp[dim] = s;
+    out.push_back(view_of(x, "split", shp, x.strides(), x.offset() + at * x.stride(dim)));
     at += s;
   }
+  record("SplitBackward", {x}, out, [in_shape = x.shape(), dim, sizes](const std::vector<Tensor>& g) {
+    DType dt = kFloat32;
+    for (const Tensor& gi : g)
+      if (gi.defined()) dt = gi.dtype();
+    Tensor gx = empty(in_shape, dt);
+    int64_t at = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      Tensor region = gx.narrow(dim, at, sizes[i]);
+      if (i < g.size() && g[i].defined()) region.copy_(g[i]);
+      else region.zero_();
+      at += sizes[i];
+    }
+    return std::vector<Tensor>{gx};
+  });
   return out;
 }
 

@@ -7,6 +7,7 @@
 
 #include "tandem/core/tensor.h"
 #include "tandem/kernels/cpu/gemm.h"
+#include "tandem/kernels/cpu/row_math.h"
 #include "tandem/kernels/cpu/vec_math.h"
 
 namespace tandem::kernels {
@@ -65,6 +66,10 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
+        if constexpr (std::is_same_v<T, float>) {  // vectorised row kernel, same formula
+          lse[bh * s.T + t0 + r] = softmax_row_f32(row, nr, n, scale);
+          continue;
+        }
         T m = -std::numeric_limits<T>::infinity();
         for (int64_t j = 0; j < nr; ++j) m = std::max(m, row[j] * scale);
         T l = 0;
@@ -113,6 +118,10 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
         const T l = lse[bh * s.T + t0 + r];
+        if constexpr (std::is_same_v<T, float>) {
+          exp_shifted_row_f32(row, nr, n, scale, l);
+          continue;
+        }
 #pragma omp simd
         for (int64_t j = 0; j < nr; ++j) row[j] = exp_of<T>(row[j] * scale - l);
         std::fill(row + nr, row + n, T(0));
@@ -120,20 +129,25 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
       // dV[0:n] += P^T dO
       Tensor dv_t = matmul<T>(mat(P, rows, n, n, true), mat(dO, rows, s.Dv, s.Dv));
       const T* pdv = dv_t.data_ptr<T>();
-#pragma omp simd
-      for (int64_t i = 0; i < n * s.Dv; ++i) dV[i] += pdv[i];
+      if constexpr (std::is_same_v<T, float>) {
+        add_into_f32(dV, pdv, n * s.Dv);
+      } else {
+        for (int64_t i = 0; i < n * s.Dv; ++i) dV[i] += pdv[i];
+      }
       // dS = P * (dO V^T - delta) * scale, in place of dP
       Tensor ds_t = matmul<T>(mat(dO, rows, s.Dv, s.Dv), mat(V, n, s.Dv, s.Dv, true));  // (1, rows, n)
       T* dS = ds_t.data_ptr<T>();
       for (int64_t r = 0; r < rows; ++r) {
-        T delta = 0;
         const T* dor = dO + r * s.Dv;
         const T* orow = O + r * s.Dv;
-#pragma omp simd reduction(+ : delta)
-        for (int64_t d = 0; d < s.Dv; ++d) delta += dor[d] * orow[d];
         T* ds = dS + r * n;
         const T* pr = P + r * n;
-#pragma omp simd
+        if constexpr (std::is_same_v<T, float>) {
+          softmax_grad_row_f32(ds, pr, n, dot_f32(dor, orow, s.Dv), scale);
+          continue;
+        }
+        T delta = 0;
+        for (int64_t d = 0; d < s.Dv; ++d) delta += dor[d] * orow[d];
         for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
       }
       // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
@@ -141,8 +155,11 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
       std::copy(dq_t.data_ptr<T>(), dq_t.data_ptr<T>() + rows * s.D, dQ);
       Tensor dk_t = matmul<T>(mat(dS, rows, n, n, true), mat(Q + t0 * s.D, rows, s.D, s.D));
       const T* pdk = dk_t.data_ptr<T>();
-#pragma omp simd
-      for (int64_t i = 0; i < n * s.D; ++i) dK[i] += pdk[i];
+      if constexpr (std::is_same_v<T, float>) {
+        add_into_f32(dK, pdk, n * s.D);
+      } else {
+        for (int64_t i = 0; i < n * s.D; ++i) dK[i] += pdk[i];
+      }
     }
   }
 }
