@@ -371,6 +371,10 @@ TEST(Shm, SixteenBitKernelsMatchGenericLoopsAndScalarModelBitForBit) {
           std::vector<uint16_t> fast(static_cast<size_t>(count)), generic(static_cast<size_t>(count));
           tandem::dist::shm::reduce_arrays(fast.data(), ptrs.data(), nin, count, d, op, nin);
           tandem::dist::shm::reduce_arrays_generic(generic.data(), ptrs.data(), nin, count, d, op, nin);
+          std::vector<uint16_t> avx2 = generic;  // the AVX2 + F16C f16 path, where this CPU can run it
+          if (d == DType::f16) {
+            tandem::dist::shm::reduce_f16_avx2_for_tests(avx2.data(), ptrs.data(), nin, count, op, nin);
+          }
           for (int64_t i = 0; i < count; ++i) {
             float acc = model_widen(d, in[0][static_cast<size_t>(i)]);
             for (int k = 1; k < nin; ++k) {
@@ -384,11 +388,13 @@ TEST(Shm, SixteenBitKernelsMatchGenericLoopsAndScalarModelBitForBit) {
             const uint16_t want = model_round(d, acc);
             const size_t u = static_cast<size_t>(i);
             if (is_nan16(d, want)) {
-              ASSERT_TRUE(is_nan16(d, fast[u]) && is_nan16(d, generic[u]))
+              ASSERT_TRUE(is_nan16(d, fast[u]) && is_nan16(d, generic[u]) && is_nan16(d, avx2[u]))
                   << reduce_op_name(op) << " nin " << nin << " count " << count << " i " << i;
             } else {
               ASSERT_EQ(fast[u], want) << reduce_op_name(op) << " nin " << nin << " count " << count << " i " << i;
               ASSERT_EQ(generic[u], want) << reduce_op_name(op) << " nin " << nin << " count " << count << " i " << i;
+              ASSERT_EQ(avx2[u], want) << "avx2+f16c " << reduce_op_name(op) << " nin " << nin << " count " << count
+                                       << " i " << i;
             }
           }
         }

@@ -403,6 +403,13 @@ void reduce_arrays_generic(void* out, const void* const* in, int nin, int64_t co
   reduce_arrays(out, in, nin, count, dtype, op, avg_divisor);
 }
 
+bool reduce_f16_avx2_for_tests(void* out, const void* const* in, int nin, int64_t count, ReduceOp op, int avg_divisor) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return false;
+  if (count > 0) reduce_f16_avx2(out, in, nin, count, op, avg_divisor);
+  return true;
+}
+
 const char* kernel_name(DType dtype) {
   if (dtype == DType::bf16) return kernels().bf16_name;
   if (dtype == DType::f16) return kernels().f16_name;

@@ -1,6 +1,7 @@
 // Reduction kernels of the shm backend: combine N input arrays element-wise into one output.
 // Vectorised through function multiversioning (AVX-512 / AVX2 / baseline clones picked at load
-// time from CPUID; the build never assumes more than x86-64).
+// time from CPUID; the build never assumes more than x86-64); f16/bf16 have hand-written paths
+// (AVX-512 BF16, AVX-512F / AVX2 + F16C) chosen at run time, see kernel_name().
 //
 // Numerics: f16/bf16 inputs are widened to f32, combined in f32 and rounded once to 16 bits at
 // the end (round to nearest even; NaN stays NaN), so an N-input sum has a single 16-bit rounding.
@@ -29,6 +30,11 @@ const char* kernel_name(DType dtype);
 // reduce_arrays through the generic loops whatever the CPU (tests compare the two paths).
 void reduce_arrays_generic(void* out, const void* const* in, int nin, int64_t count, DType dtype, ReduceOp op,
                            int avg_divisor);
+
+// The AVX2 + F16C f16 path (what CPUs without AVX-512 use), for tests on CPUs that would pick
+// another; false when this CPU cannot run it.
+bool reduce_f16_avx2_for_tests(void* out, const void* const* in, int nin, int64_t count, ReduceOp op,
+                               int avg_divisor);
 
 // The short names used in fingerprints and errors: "f32", "bf16", "i64", "bool", ...
 const char* short_dtype_name(DType dtype);
