@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tandem/amp/policy.h"
+#include "tandem/core/convert.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/attention.h"
 #include "tandem/ops/linalg.h"
@@ -39,6 +40,33 @@ kernels::AttentionShape check_shapes(const Tensor& q, const Tensor& k, const Ten
   return {q.numel() / std::max<int64_t>(T * q.size(-1), 1), T, S, q.size(-1), v.size(-1), causal};
 }
 
+// t as a contiguous tensor of dtype `acc`. A strided view whose last dim is dense (the heads of
+// a fused qkv projection, (B, H, T, D) over a (B, T, 3, H, D) buffer) is converted row by row
+// with direct addressing: the generic strided copy pays an index decomposition and a dispatch
+// per 64-element row.
+Tensor to_dense(const Tensor& t_in, DType acc) {
+  const Tensor t = t_in.detach();
+  if (t.is_contiguous() || t.dim() < 2 || t.dim() > 4 || t.stride(-1) != 1) return t.to(acc).contiguous();
+  Tensor out = empty(t.shape(), acc);
+  Shape shp = t.shape(), st = t.strides();
+  while (shp.size() < 4) {  // leading size-1 dims
+    shp.insert(shp.begin(), 1);
+    st.insert(st.begin(), 0);
+  }
+  const int64_t n = shp[3];
+  const size_t in_es = t.element_size(), out_es = out.element_size();
+  const char* src = static_cast<const char*>(t.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  int64_t row = 0;
+  for (int64_t a = 0; a < shp[0]; ++a)
+    for (int64_t b = 0; b < shp[1]; ++b)
+      for (int64_t c = 0; c < shp[2]; ++c, ++row) {
+        const int64_t off = a * st[0] + b * st[1] + c * st[2];
+        convert(src + static_cast<size_t>(off) * in_es, t.dtype(), dst + static_cast<size_t>(row * n) * out_es, acc, n);
+      }
+  return out;
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -47,7 +75,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const kernels::AttentionShape s = check_shapes(q, k, v, causal);
   const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
   const DType acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
-  const Tensor qc = q.detach().to(acc).contiguous(), kc = k.detach().to(acc).contiguous(), vc = v.detach().to(acc).contiguous();
+  const Tensor qc = to_dense(q, acc), kc = to_dense(k, acc), vc = to_dense(v, acc);
   Shape oshape = q.shape();
   oshape.back() = s.Dv;
   Tensor out = empty(oshape, acc);
@@ -60,12 +88,28 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   };
   if (acc == kFloat64) run(double{});
   else run(float{});
-  Tensor result = out.to(q.dtype());
-  if (result.is_same(out)) result = make_view(out, out.shape(), out.strides(), out.offset());
+  Tensor result;
+  if (q.dtype() != acc && out.dim() == 4) {
+    // (B, H, T, Dv) stored as (B, T, H, Dv), as PyTorch's CPU flash attention returns it: the
+    // usual y.transpose(1, 2).contiguous().view(B, T, H * Dv) that follows is then free.
+    const int64_t B = out.size(0), H = out.size(1), T = out.size(2), Dv = out.size(3);
+    result = empty_strided(out.shape(), {T * H * Dv, Dv, H * Dv, 1}, q.dtype());
+    const float* po = out.data_ptr<float>();
+    char* pr = static_cast<char*>(result.data_ptr());
+    const size_t es = result.element_size();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < T; ++t)
+          convert(po + ((b * H + h) * T + t) * Dv, kFloat32, pr + static_cast<size_t>(((b * T + t) * H + h) * Dv) * es,
+                  q.dtype(), Dv);
+  } else {
+    result = out.to(q.dtype());
+    if (result.is_same(out)) result = make_view(out, out.shape(), out.strides(), out.offset());
+  }
   record("ScaledDotProductAttentionBackward", {q, k, v}, {result},
          [qc, kc, vc, out, lse, s, scale, dq_t = q.dtype(), qs = q.shape(), ks = k.shape(), vs = v.shape()](const G& g) {
            const DType acc = qc.dtype();
-           const Tensor go = g[0].to(acc).contiguous();
+           const Tensor go = to_dense(g[0], acc);
            Tensor dq = empty(qs, acc), dk = empty(ks, acc), dv = empty(vs, acc);
            auto run = [&](auto tag) {
              using T = decltype(tag);
