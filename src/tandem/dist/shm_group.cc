@@ -779,15 +779,10 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
   const size_t es = element_size(buf.dtype);
   const size_t nbytes = buf.nbytes();
   if (buf.count == 0) return;
-  std::vector<const void*> ins_heap;
+  // The inputs' pointers, on the stack for up to 8 ranks (no allocation on the latency path).
   const void* ins_small[8];
-  if (n > 8) ins_heap.resize(n);
-  const void** ins_ptr = n > 8 ? ins_heap.data() : ins_small;
-  struct {
-    const void** p;
-    const void** data() const { return p; }
-    const void*& operator[](int i) const { return p[i]; }
-  } ins{ins_ptr};
+  std::vector<const void*> ins_heap(n > 8 ? n : 0);
+  const void** ins = n > 8 ? ins_heap.data() : ins_small;
   if (nbytes <= small_bytes_) {
     Exposure e = expose(c, buf.data, nbytes, true);
     enter(c, e.code);
@@ -796,7 +791,7 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
       // Our own input straight from the caller's buffer (same values as our slot, already in
       // this core's cache); the output overwrites it element by element, which reduce_arrays allows.
       for (int p = 0; p < n; ++p) ins[p] = p == me ? buf.data : peer_ptr(p, kSlotCode, seq);
-      reduce_arrays(buf.data, ins.data(), n, buf.count, buf.dtype, op, n);
+      reduce_arrays(buf.data, ins, n, buf.count, buf.dtype, op, n);
     }
     // Nobody waits for this step (a slot is recycled once its readers entered the next
     // collective), so a plain store: no fence, no wake-up check.
@@ -826,7 +821,7 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
     for (int64_t b = lo; b < hi; b += chunk) {
       const int64_t m = std::min(chunk, hi - b);
       for (int p = 0; p < n; ++p) ins[p] = (p == me ? e.ptr : peer_ptr(p, codes[p], seq)) + b * es;
-      reduce_arrays(e.ptr + b * es, ins.data(), n, m, buf.dtype, op, n);
+      reduce_arrays(e.ptr + b * es, ins, n, m, buf.dtype, op, n);
       for (int i = 1; i < n; ++i) {
         const int p = (me + i) % n;
         std::memcpy(const_cast<uint8_t*>(peer_ptr(p, codes[p], seq)) + b * es, e.ptr + b * es, static_cast<size_t>(m) * es);
@@ -844,7 +839,7 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
     for (int64_t b = lo; b < hi; b += chunk, ++step) {
       const int64_t m = std::min(chunk, hi - b);
       for (int p = 0; p < n; ++p) ins[p] = (p == me ? e.ptr : peer_ptr(p, codes[p], seq)) + b * es;
-      reduce_arrays(e.ptr + b * es, ins.data(), n, m, buf.dtype, op, n);
+      reduce_arrays(e.ptr + b * es, ins, n, m, buf.dtype, op, n);
       publish(seq, step);
     }
   }
