@@ -21,7 +21,19 @@ struct Args : td::bench::CommonArgs {
   std::string workload = "w1";
   int nproc = 1;
   int64_t batch = 0;  // per rank; 0: the workload's default (w1 128, w2 64, w3 8)
+  td::parallel::DDPOptions ddp;  // PyTorch's defaults unless a flag changes them (profiling)
 };
+
+struct Phases {
+  double forward = 0, backward = 0, optimizer = 0;      // wall seconds, summed over steps
+  double first_launch = 0, backward_nodes = 0, comm_after = 0;  // from the reducer's timeline
+};
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 void bind_to_core(int rank) {
   cpu_set_t allowed;
@@ -69,7 +81,7 @@ void run_rank(const Args& a) {
       ys.push_back(td::randint(0, 10, {B}, &gen));
     }
   }
-  td::parallel::DistributedDataParallel ddp(model, group);
+  td::parallel::DistributedDataParallel ddp(model, group, a.ddp);
   if (a.workload == "w1") {
     opt = std::make_unique<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
   } else {
@@ -77,10 +89,14 @@ void run_rank(const Args& a) {
   }
   const bool bf16 = a.dtype == "bf16";
   size_t next = 0;
+  // --phases: per-rank wall split of the step, the main thread's CPU time and the reducer's
+  // timeline (backward end -> last bucket done = the wait for communication after backward).
+  Phases ph;
   auto step = [&] {
     const Tensor& x = xs[next % xs.size()];
     const Tensor& y = ys[next % ys.size()];
     ++next;
+    const auto t0 = td::bench::Clock::now();
     opt->zero_grad();
     Tensor loss;
     {
@@ -88,8 +104,21 @@ void run_rank(const Args& a) {
       Tensor out = ddp(x);
       loss = td::ops::cross_entropy(gpt ? out.view({-1, out.size(-1)}) : out, y);
     }
+    const auto t1 = td::bench::Clock::now();
     loss.backward();
+    const auto t2 = td::bench::Clock::now();
     opt->step();
+    if (a.phases) {
+      ph.forward += std::chrono::duration<double>(t1 - t0).count();
+      ph.backward += std::chrono::duration<double>(t2 - t1).count();
+      ph.optimizer += td::bench::seconds_since(t2);
+      const auto& tm = ddp.reducer().last_timings();
+      if (!tm.empty()) {
+        ph.first_launch += tm.front().launch_s;
+        ph.backward_nodes += ddp.reducer().last_backward_end_s();
+        ph.comm_after += std::max(0.0, tm.back().done_s - ddp.reducer().last_backward_end_s());
+      }
+    }
   };
   // Warm up, then agree on a step count (rank 0's estimate) so every rank runs the same steps.
   for (int64_t i = 0; i < std::max<int64_t>(a.warmup, 3); ++i) step();
@@ -100,11 +129,22 @@ void run_rank(const Args& a) {
   group->broadcast(steps, 0)->wait();
   const int64_t n = steps.data_ptr<int64_t>()[0];
   group->barrier()->wait();
-  const double c0 = td::bench::process_cpu_seconds();
+  ph = Phases{};
+  const double c0 = td::bench::process_cpu_seconds(), m0 = thread_cpu_seconds();
   const auto t0 = td::bench::Clock::now();
   for (int64_t i = 0; i < n; ++i) step();
+  const double main_cpu = thread_cpu_seconds() - m0;
   group->barrier()->wait();
   const double wall = td::bench::seconds_since(t0), cpu = td::bench::process_cpu_seconds() - c0;
+  if (a.phases) {
+    const double k = 1e3 / static_cast<double>(n);
+    std::fprintf(stderr,
+                 "rank %d: per step (ms) forward %.2f backward %.2f (first bucket launched at %.2f, nodes done at "
+                 "%.2f, then waited %.2f for communication) optimizer %.2f | main-thread cpu %.2f, other threads "
+                 "cpu %.2f, wall %.2f\n",
+                 group->rank(), ph.forward * k, ph.backward * k, ph.first_launch * k, ph.backward_nodes * k,
+                 ph.comm_after * k, ph.optimizer * k, main_cpu * k, (cpu - main_cpu) * k, wall * k);
+  }
   if (group->rank() == 0) {
     const double samples = static_cast<double>(n * B * group->size());
     std::printf(
@@ -125,11 +165,16 @@ int main(int argc, char** argv) try {
   a.min_steps = 10;
   td::bench::parse_args(argc, argv, a,
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
-                        "[--seconds S] [--min-steps N] [--warmup W]",
+                        "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
+                        "[--gradient-as-bucket-view] [--delay-allreduce]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();
                           else if (k == "--nproc") a.nproc = std::stoi(value());
                           else if (k == "--batch") a.batch = std::stoll(value());
+                          else if (k == "--bucket-cap-mb") a.ddp.bucket_cap_mb = std::stod(value());
+                          else if (k == "--first-bucket-mb") a.ddp.first_bucket_mb = std::stod(value());
+                          else if (k == "--gradient-as-bucket-view") a.ddp.gradient_as_bucket_view = true;
+                          else if (k == "--delay-allreduce") a.ddp.delay_allreduce = true;
                           else return false;
                           return true;
                         });

@@ -416,6 +416,62 @@ TEST(DDP, GradientAsBucketViewAndDelayAllreduceGiveTheSameGradients) {
   });
 }
 
+// World size 1 skips the collective and the bucket copies (the average over one rank is the
+// gradient): the gradients must still be exactly the plain module's, with every option, and a
+// registered hook must still see every bucket.
+TEST(DDP, WorldSizeOneGivesThePlainGradientsWithEveryOption) {
+  on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
+    Workload w = w1_mlp();
+    const int steps = 3;  // across the rebuild after the first iteration
+    auto grads_of = [](td::nn::Module& m) {
+      std::vector<Tensor> g;
+      for (auto& p : m.parameters()) g.push_back(p.grad().clone());
+      return g;
+    };
+    td::manual_seed(0);
+    auto reference = w.make_model();
+    for (int s = 0; s < steps; ++s) {
+      auto [x, y] = w.batch(s, 16);
+      reference->zero_grad();
+      w.loss(reference->forward(x), y).backward();
+    }
+    const std::vector<Tensor> want = grads_of(*reference);
+    auto run = [&](DDPOptions o, bool hook, const std::string& what) {
+      td::manual_seed(0);
+      auto model = w.make_model();
+      DistributedDataParallel ddp(model, group, o);
+      int calls = 0;
+      if (hook) {
+        ddp.register_comm_hook([&calls](ProcessGroup& g, td::parallel::GradBucket& b) {
+          ++calls;
+          return td::parallel::allreduce_hook(g, b);
+        });
+      }
+      for (int s = 0; s < steps; ++s) {
+        auto [x, y] = w.batch(s, 16);
+        model->zero_grad();
+        w.loss(ddp(x), y).backward();
+      }
+      const std::vector<Tensor> got = grads_of(*model);
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (rel_diff(got[i], want[i]) != 0.0) fail(what + ": gradients differ from the plain module's");
+      }
+      const auto params = model->parameters();
+      const bool shared = params[0].grad().storage() == params[1].grad().storage();
+      if (shared != o.gradient_as_bucket_view)
+        fail(fmt::format("{}: gradients {} bucket views", what, shared ? "are" : "are not"));
+      const int buckets = static_cast<int>(ddp.reducer().bucket_indices().size());
+      if (hook && calls != steps * buckets)
+        fail(fmt::format("{}: hook called {} times for {} steps of {} buckets", what, calls, steps, buckets));
+    };
+    run({}, false, "defaults");
+    run({.gradient_as_bucket_view = true}, false, "gradient_as_bucket_view");
+    run({.delay_allreduce = true}, false, "delay_allreduce");
+    run({.find_unused_parameters = true}, false, "find_unused_parameters");
+    run({}, true, "pass-through hook");
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Error paths.
 // ---------------------------------------------------------------------------------------------

@@ -207,6 +207,10 @@ void Reducer::reset_iteration() {
   next_launch_ = 0;
   finalize_queued_ = false;
   unused_.clear();
+  // World size 1 with the default hook: the average over one rank is the gradient itself, so the
+  // collective is skipped and (unless grads are bucket views) gradients stay where autograd put
+  // them — no copy into the bucket and back (PyTorch still calls a no-op all_reduce here).
+  local_only_ = group_->size() == 1 && !hook_;
 }
 
 void Reducer::prepare_for_backward(bool sync, const Tensor& output) {
@@ -256,6 +260,11 @@ void Reducer::on_gradient_ready(int64_t param) {
   }
   if (!sync_ || options_.deterministic) return;  // no_sync: the gradient accumulates locally
   Param& p = params_[param];
+  if (local_only_ && !options_.gradient_as_bucket_view) {
+    locally_used_[param] = 1;
+    mark_ready(param);
+    return;
+  }
   Tensor g = p.tensor.grad();
   Tensor s = slot(param);
   NoGradGuard no_grad;
@@ -291,6 +300,12 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(int64_t bi) {
   Bucket& b = buckets_[bi];
+  if (local_only_) {
+    b.result = {dist::Work::completed(), nullptr};
+    b.launched = true;
+    timings_[bi].launch_s = now_s();
+    return;
+  }
   GradBucket gb;
   gb.index = bi;
   gb.buffer = b.flat;
@@ -360,6 +375,7 @@ void Reducer::finalize() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     if (!globally_used[i]) continue;
+    if (local_only_ && !options_.gradient_as_bucket_view) continue;  // grad() already is the result
     Tensor s = slot(static_cast<int64_t>(i));
     Tensor g = p.tensor.grad();
     if (options_.gradient_as_bucket_view) {

@@ -135,6 +135,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool expect_backward_ = false;   // prepare_for_backward armed the hooks
   bool sync_ = true;
   bool finalize_queued_ = false;
+  bool local_only_ = false;        // world size 1, default hook: no collective, no bucket copies
   std::vector<char> ready_;
   std::vector<char> locally_used_;
   std::vector<int64_t> unused_;    // marked ready at the first hook (find_unused_parameters)
