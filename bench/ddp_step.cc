@@ -6,6 +6,7 @@
 #include <sched.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "bench_common.h"
 #include "tandem/amp/autocast.h"
@@ -50,8 +51,14 @@ void bind_to_core(int rank) {
 }
 
 void run_rank(const Args& a) {
+  // Bind before the group starts its progress thread, so that the thread shares its rank's core
+  // (as gloo's threads do on the PyTorch side, which binds before init_process_group); a floating
+  // progress thread would take time from the other rank's core. TANDEM_BENCH_FLOAT_PROGRESS=1
+  // binds only the main thread, after the group started (for comparison).
+  const bool float_progress = std::getenv("TANDEM_BENCH_FLOAT_PROGRESS") != nullptr;
+  if (!float_progress) bind_to_core(std::atoi(std::getenv("LOCAL_RANK") ? std::getenv("LOCAL_RANK") : "0"));
   auto group = td::dist::init_process_group({.backend = "shm"});
-  bind_to_core(group->rank());
+  if (float_progress) bind_to_core(group->rank());
   td::manual_seed(0);
   std::shared_ptr<td::nn::Module> model;
   std::unique_ptr<td::optim::Optimizer> opt;

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Tandem DDP (shm backend) vs PyTorch DDP (gloo), side by side in one run: W1, W2, W3 x f32 and
 # bf16 (autocast) x 1 and 2 processes, one thread and one core per process. Prints a table:
-# global samples/s (tokens/s for W3), the Tandem/PyTorch ratio and each side's 2p/1p scaling.
+# global samples/s (tokens/s for W3), the Tandem/PyTorch ratio and each side's 2p/1p scaling,
+# then the same from CPU time (rank 0's process CPU per step, all its threads), which is what
+# to compare on a shared machine: "cpu ratio" = PyTorch cpu/step over Tandem's, "cpu 2p/1p" =
+# N x cpu/step at 1p over cpu/step at N (the scaling if each rank had its core to itself).
 #
 #   bench/run_ddp_bench.sh [--torch-python PY] [--build-dir DIR] [--seconds S] [--rounds R]
 #                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild]
@@ -28,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     --dtype) dtypes=("$2"); shift 2 ;;
     --nprocs) read -r -a nprocs <<<"$2"; shift 2 ;;
     --rebuild) rebuild=1; shift ;;
-    -h|--help) sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_ddp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -57,7 +60,7 @@ done
 
 python3 - "$out" <<'PY'
 import json, sys
-best = {}
+best, cpu = {}, {}
 for line in open(sys.argv[1]):
     line = line.strip()
     if not line.startswith("{"):
@@ -66,6 +69,8 @@ for line in open(sys.argv[1]):
     key = (d["workload"], d["dtype"], d["nproc"], d["impl"])
     if key not in best or d["samples_per_s"] > best[key]["samples_per_s"]:
         best[key] = d
+    if key not in cpu or d["cpu_step_ms"] < cpu[key]:
+        cpu[key] = d["cpu_step_ms"]
 names = {"w1": "W1 MLP", "w2": "W2 CNN", "w3": "W3 GPT"}
 print(f"{'workload':8} {'dtype':5} {'procs':>5} {'Tandem':>12} {'PyTorch':>12} {'ratio':>6} {'T 2p/1p':>8} {'P 2p/1p':>8}")
 for (w, dt, n, impl), d in sorted(best.items()):
@@ -82,4 +87,17 @@ for (w, dt, n, impl), d in sorted(best.items()):
     ps = f"{p:12.1f}" if p else f"{'-':>12}"
     print(f"{names[w]:8} {dt:5} {n:5d} {t:12.1f} {ps} {ratio:>6} {scaling('tandem'):>8} {scaling('torch'):>8}")
 print("(samples/s of the global batch; W3 samples are 128-token sequences)")
+print()
+print(f"{'workload':8} {'dtype':5} {'procs':>5} {'T cpu ms':>9} {'P cpu ms':>9} {'cpu ratio':>9} {'T cpu 2p/1p':>11} {'P cpu 2p/1p':>11}")
+for (w, dt, n, impl), c in sorted(cpu.items()):
+    if impl != "tandem":
+        continue
+    p = cpu.get((w, dt, n, "torch"))
+    def cpu_scaling(which):
+        one, cur = cpu.get((w, dt, 1, which)), cpu.get((w, dt, n, which))
+        return f"{n * one / cur:.2f}x" if (one and cur and n != 1) else ""
+    ratio = f"{p / c:.2f}x" if p else "-"
+    ps = f"{p:9.2f}" if p else f"{'-':>9}"
+    print(f"{names[w]:8} {dt:5} {n:5d} {c:9.2f} {ps} {ratio:>9} {cpu_scaling('tandem'):>11} {cpu_scaling('torch'):>11}")
+print("(CPU ms per step of rank 0's process, best of the rounds; same per-rank batch on both sides)")
 PY

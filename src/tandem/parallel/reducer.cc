@@ -309,9 +309,13 @@ void Reducer::launch(int64_t bi) {
   GradBucket gb;
   gb.index = bi;
   gb.buffer = b.flat;
-  for (int64_t p : b.params) gb.parameter_names.push_back(params_[p].name);
   gb.is_last = bi + 1 == static_cast<int64_t>(buckets_.size());
-  b.result = hook_ ? hook_(*group_, gb) : allreduce_hook(*group_, gb);
+  if (hook_) {
+    for (int64_t p : b.params) gb.parameter_names.push_back(params_[p].name);  // only a user hook reads them
+    b.result = hook_(*group_, gb);
+  } else {
+    b.result = allreduce_hook(*group_, gb);
+  }
   TANDEM_CHECK(b.result.work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
   b.launched = true;
   timings_[bi].launch_s = now_s();
