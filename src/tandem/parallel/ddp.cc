@@ -245,6 +245,7 @@ void DistributedDataParallel::check_replicas() {
 
 std::function<bool(bool)> found_inf_reducer(std::shared_ptr<dist::ProcessGroup> group) {
   return [group](bool found) {
+    if (group->size() == 1) return found;
     Tensor t = tensor(std::vector<double>{found ? 1.0 : 0.0}, {1}, kUInt8);
     group->all_reduce(t, dist::ReduceOp::MAX)->wait();
     return t.data_ptr<uint8_t>()[0] != 0;

@@ -368,11 +368,13 @@ void Reducer::finalize() {
   // Which parameters some rank used: a parameter unused everywhere keeps no gradient (as in PyTorch).
   std::vector<uint8_t> globally_used(params_.size(), 1);
   if (options_.find_unused_parameters || options_.static_graph) {
-    Tensor used = zeros({static_cast<int64_t>(params_.size())}, kUInt8);
-    auto* u = used.data_ptr<uint8_t>();
-    for (size_t i = 0; i < params_.size(); ++i) u[i] = static_cast<uint8_t>(locally_used_[i]);
-    group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
-    for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = u[i];
+    for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = static_cast<uint8_t>(locally_used_[i]);
+    if (group_->size() > 1) {
+      Tensor used = tensor(std::vector<double>(globally_used.begin(), globally_used.end()),
+                           {static_cast<int64_t>(params_.size())}, kUInt8);
+      group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
+      std::copy_n(used.data_ptr<uint8_t>(), params_.size(), globally_used.begin());
+    }
   }
 
   NoGradGuard no_grad;
