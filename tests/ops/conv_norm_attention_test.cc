@@ -444,6 +444,55 @@ TEST(ConvPrecision, F32OneDnnMatchesF64Loops) {
   }
 }
 
+// bf16 conv2d gradients against the f64 loops on the same bf16-representable x, w and gy: the
+// products are exact in f32, so what remains is the f32 accumulation (gamma_n S, n the sum's
+// length, S the sum of |terms|) and one rounding to bf16 at the end (u_bf16 |g|). The weight
+// gradient of a bf16 conv with C*KH*KW >= 64 runs as GEMMs over im2col blocks of output pixels
+// ("4x16x32x32" has 4096 pixels: more than one block); the 1-channel stem stays on oneDNN.
+TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
+  struct Cfg {
+    const char* name;
+    ops::Conv2dOptions o;
+    int64_t N, C, O, H, W, K;
+  };
+  const std::vector<Cfg> cfgs = {
+      {"4x16x32x32 3x3 pad1", {.padding = {1, 1}}, 4, 16, 24, 32, 32, 3},
+      {"stride2 dilation2 pad2", {.stride = {2, 2}, .padding = {2, 2}, .dilation = {2, 2}}, 3, 32, 16, 13, 14, 3},
+      {"stride(2,1) 5x5", {.stride = {2, 1}, .padding = {2, 1}}, 2, 8, 12, 11, 9, 5},
+      {"1-channel stem", {.padding = {1, 1}}, 4, 1, 32, 12, 12, 3},
+  };
+  uint64_t seed = 1800;
+  for (const Cfg& c : cfgs) {
+    SCOPED_TRACE(c.name);
+    Tensor x16 = leaf({c.N, c.C, c.H, c.W}, -1, 1, seed++, kBFloat16);
+    Tensor w16 = leaf({c.O, c.C, c.K, c.K}, -1, 1, seed++, kBFloat16);
+    Tensor b16 = leaf({c.O}, -1, 1, seed++, kBFloat16);
+    Tensor x64 = x16.detach().to(kFloat64), w64 = w16.detach().to(kFloat64), b64 = b16.detach().to(kFloat64);
+    x64.requires_grad_(true), w64.requires_grad_(true), b64.requires_grad_(true);
+    const Tensor y16 = ops::conv2d(x16, w16, b16, c.o), y64 = ops::conv2d(x64, w64, b64, c.o);
+    const Tensor gy16 = randn(y64.shape(), kFloat64, nullptr).to(kBFloat16);
+    const Tensor gy64 = gy16.to(kFloat64);
+    const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gy16.to(kFloat32)))}, {x16, w16, b16});
+    const V g64 = autograd::grad({ops::sum(ops::mul(y64, gy64))}, {x64, w64, b64});
+    for (const Tensor& g : g16) EXPECT_EQ(g.dtype(), kBFloat16);
+    Tensor ax = ops::abs(x64.detach()), aw = ops::abs(w64.detach());
+    ax.requires_grad_(true), aw.requires_grad_(true);
+    const V s_g = autograd::grad({ops::sum(ops::mul(ops::conv2d(ax, aw, Tensor(), c.o), ops::abs(gy64)))}, {ax, aw});
+    const double n_x = static_cast<double>(c.O * c.K * c.K);
+    const double n_w = static_cast<double>(c.N * y64.size(2) * y64.size(3));
+    auto bound = [](const Tensor& s, const Tensor& ref, double n) {
+      const double g = n * kU32 / (1 - n * kU32);
+      return ops::add(ops::mul(s, g), ops::mul(ops::abs(ref.detach()), kUBf16));
+    };
+    EXPECT_TRUE(within(g16[0].to(kFloat64), g64[0], bound(s_g[0], g64[0], n_x))) << "input gradient";
+    EXPECT_TRUE(within(g16[1].to(kFloat64), g64[1], bound(s_g[1], g64[1], n_w))) << "weight gradient";
+    EXPECT_TRUE(within(g16[2].to(kFloat64), g64[2], bound(ops::sum(ops::abs(gy64), {0, 2, 3}), g64[2], n_w)))
+        << "bias gradient";
+    // Not vacuous: the weight-gradient bound is far below the values' size.
+    EXPECT_LT(ops::max(bound(s_g[1], g64[1], n_w)).item(), 0.02 * ops::max(ops::abs(g64[1])).item());
+  }
+}
+
 // bf16 against f32 on the same bf16-representable values (the input rounding is taken out, so
 // what remains is the op's own bf16 arithmetic). u = 2^-8 is bf16's unit roundoff: rounding an
 // f32 result to bf16 (round-to-nearest-even) moves it by at most u |y| relative.

@@ -7,6 +7,8 @@
 #include "tandem/ops/norm.h"
 
 #include <algorithm>
+#include <array>
+#include <tuple>
 #include <atomic>
 #include <cmath>
 #include <mutex>
@@ -15,7 +17,9 @@
 #include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/autograd/grad_mode.h"
+#include "tandem/core/convert.h"
 #include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/channel_math.h"
 #include "tandem/kernels/cpu/conv.h"
 #include "tandem/kernels/cpu/row_math.h"
 
@@ -47,102 +51,140 @@ Layout channel_layout(Tensor& x) {
 template <class T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// Per-channel sums a[c] += fa(i, c), b[c] += fb(i, c) over every element i of channel c.
-// Works in float over blocks (rows of a channels-last (M, C) view vectorise across c; runs of an
-// NCHW view vectorise along the run) and flushes each block into f64, so long channels keep
-// their precision.
-template <class P, class FA, class FB>
-void channel_sums(const Layout& l, std::vector<double>& a, std::vector<double>& b, FA fa, FB fb) {
-  const int64_t C = l.C;
-  a.assign(static_cast<size_t>(C), 0.0);
-  b.assign(static_cast<size_t>(C), 0.0);
-  if (l.inner == 1) {
-    constexpr int64_t kBlock = 64;
-    std::vector<P> pa(static_cast<size_t>(C)), pb(static_cast<size_t>(C));
-    for (int64_t m0 = 0; m0 < l.outer; m0 += kBlock) {
-      std::fill(pa.begin(), pa.end(), P(0));
-      std::fill(pb.begin(), pb.end(), P(0));
-      const int64_t m1 = std::min(l.outer, m0 + kBlock);
-      for (int64_t m = m0; m < m1; ++m) {
-        const int64_t base = m * C;
-        for (int64_t c = 0; c < C; ++c) {
-          pa[c] += fa(base + c, c);
-          pb[c] += fb(base + c, c);
-        }
-      }
-      for (int64_t c = 0; c < C; ++c) {
-        a[c] += pa[c];
-        b[c] += pb[c];
-      }
-    }
-    return;
-  }
-  for (int64_t o = 0; o < l.outer; ++o)
-    for (int64_t c = 0; c < C; ++c) {
-      const int64_t base = (o * C + c) * l.inner;
-      for (int64_t i0 = 0; i0 < l.inner; i0 += 256) {
-        const int64_t i1 = std::min(l.inner, i0 + 256);
-        P sa = 0, sb = 0;
-        for (int64_t i = i0; i < i1; ++i) {
-          sa += fa(base + i, c);
-          sb += fb(base + i, c);
-        }
-        a[c] += sa;
-        b[c] += sb;
-      }
-    }
-}
+// ---- f64 (gradcheck): plain loops, f64 throughout ----
 
-// out[i] = ka[c] * u(i) + kb[c] * v(i) + k0[c] for every element i of channel c (then max(0, .)
-// with Relu: batch_norm_relu's fused forward).
-template <bool Relu = false, class T, class U, class V>
-void channel_affine(const Layout& l, T* out, const std::vector<float>& ka, const std::vector<float>& kb,
-                    const std::vector<float>& k0, U u, V v) {
-  auto act = [](float r) { return Relu ? (r > 0.0f ? r : 0.0f) : r; };
-  const int64_t C = l.C;
-  parallel_for(0, l.outer, std::max<int64_t>(1, 16384 / std::max<int64_t>(C * l.inner, 1)), [&](int64_t lo, int64_t hi) {
-    for (int64_t o = lo; o < hi; ++o) {
-      if (l.inner == 1) {
-        const int64_t base = o * C;
-        for (int64_t c = 0; c < C; ++c) out[base + c] = static_cast<T>(act(ka[c] * u(base + c) + kb[c] * v(base + c) + k0[c]));
-        continue;
-      }
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t base = (o * C + c) * l.inner;
-        const float a = ka[c], b = kb[c], z = k0[c];
-        for (int64_t i = 0; i < l.inner; ++i) out[base + i] = static_cast<T>(act(a * u(base + i) + b * v(base + i) + z));
-      }
-    }
-  });
-}
-
-// The fused ReLU's backward for one element: g where the output y was positive, else 0. Both
-// loads happen unconditionally and the choice is a select, not a branch (the mask is ~50%
-// random: a branch here mispredicts and stops the loops vectorising).
-template <class T>
-inline float relu_mask(T g, T y) {
-  const float gf = static_cast<float>(g), yf = static_cast<float>(y);
-  return yf > 0.0f ? gf : 0.0f;
-}
-
-// Per-channel mean and biased variance: a float pass for the mean, then one for the squared
+// Per-channel mean and biased variance in f64: a pass for the mean, then one for the squared
 // deviations from it (no E[x^2] - E[x]^2 cancellation).
+template <class T>
+void channel_stats_f64(const T* x, const Layout& l, std::vector<double>& mean, std::vector<double>& var) {
+  const double n = static_cast<double>(l.outer * l.inner);
+  mean.assign(static_cast<size_t>(l.C), 0.0);
+  var.assign(static_cast<size_t>(l.C), 0.0);
+  for (int64_t o = 0; o < l.outer; ++o)
+    for (int64_t c = 0; c < l.C; ++c)
+      for (int64_t i = 0; i < l.inner; ++i) mean[c] += static_cast<double>(x[(o * l.C + c) * l.inner + i]);
+  for (auto& m : mean) m /= n;
+  for (int64_t o = 0; o < l.outer; ++o)
+    for (int64_t c = 0; c < l.C; ++c)
+      for (int64_t i = 0; i < l.inner; ++i) {
+        const double d = static_cast<double>(x[(o * l.C + c) * l.inner + i]) - mean[c];
+        var[c] += d * d;
+      }
+  for (auto& v : var) v /= n;
+}
+
+// ---- f32, bf16, f16: blocks of f32 through the vectorised kernels of channel_math.h ----
+
+// The view in blocks: 64 whole rows of a channels-last (outer, C) view, or runs of up to 256
+// elements of one channel of an NCHW view. Sums are taken in f32 within a block and folded into
+// f64 after it, so long channels keep their precision.
+struct Blocks {
+  const Layout& l;
+  static constexpr int64_t kRows = 64, kRun = 256;
+  int64_t per_channel() const { return (l.inner + kRun - 1) / kRun; }
+  int64_t count() const { return l.inner == 1 ? (l.outer + kRows - 1) / kRows : l.outer * l.C * per_channel(); }
+  int64_t max_elems() const { return l.inner == 1 ? kRows * l.C : kRun; }
+  // Block b: first element index, rows (run length), columns (C or 1), first channel.
+  struct Block {
+    int64_t base, rows, cols, c;
+  };
+  Block operator[](int64_t b) const {
+    if (l.inner == 1) {
+      const int64_t m0 = b * kRows;
+      return {m0 * l.C, std::min(kRows, l.outer - m0), l.C, 0};
+    }
+    const int64_t pc = per_channel(), oc = b / pc, i0 = (b % pc) * kRun;
+    return {oc * l.inner + i0, std::min(kRun, l.inner - i0), 1, oc % l.C};
+  }
+};
+
+// p[base, base + n) as f32: the memory itself for f32, else widened into scratch.
+template <class T>
+const float* f32_of(const T* p, int64_t base, int64_t n, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p + base;
+  } else {
+    convert(p + base, dtype_of<T>::value, scratch.data(), kFloat32, n);
+    return scratch.data();
+  }
+}
+
+// Visits every block on the calling thread with its inputs as f32; fn(block, const float*...).
+template <class T, class F, class... P>
+void visit_blocks(const Layout& l, F fn, const P*... ins) {
+  const Blocks bl{l};
+  std::array<std::vector<float>, sizeof...(P)> scratch;
+  if constexpr (!std::is_same_v<T, float>)
+    for (auto& s : scratch) s.resize(static_cast<size_t>(bl.max_elems()));
+  const int64_t nb = bl.count();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Blocks::Block k = bl[b];
+    const int64_t n = k.rows * k.cols;
+    size_t j = 0;  // a braced list evaluates left to right: input i gets scratch i
+    const std::array<const float*, sizeof...(P)> f{f32_of<T>(ins, k.base, n, scratch[j++])...};
+    std::apply([&](auto... fp) { fn(k, fp...); }, f);
+  }
+}
+
+// Per-channel mean and biased variance: a pass for the mean, then one for the squared deviations
+// from it (no E[x^2] - E[x]^2 cancellation).
 template <class T>
 void channel_stats(const T* x, const Layout& l, std::vector<double>& mean, std::vector<double>& var) {
   const double n = static_cast<double>(l.outer * l.inner);
-  using P = Acc<T>;  // f64 inputs (gradcheck) keep f64 partial sums
-  std::vector<double> unused;
-  auto val = [x](int64_t i, int64_t) { return static_cast<P>(static_cast<compute_t<T>>(x[i])); };
-  auto zero = [](int64_t, int64_t) { return P(0); };
-  channel_sums<P>(l, mean, unused, val, zero);
-  for (auto& m : mean) m /= n;
-  std::vector<P> mf(mean.begin(), mean.end());
-  auto sq = [x, &mf](int64_t i, int64_t c) {
-    const P d = static_cast<P>(static_cast<compute_t<T>>(x[i])) - mf[c];
-    return d * d;
+  const int64_t C = l.C;
+  mean.assign(static_cast<size_t>(C), 0.0);
+  var.assign(static_cast<size_t>(C), 0.0);
+  std::vector<float> part(static_cast<size_t>(C)), mf(static_cast<size_t>(C));
+  auto fold = [&](const Blocks::Block& k, std::vector<double>& into) {
+    for (int64_t c = 0; c < k.cols; ++c) {
+      into[k.c + c] += part[k.c + c];
+      part[k.c + c] = 0.0f;
+    }
   };
-  channel_sums<P>(l, var, unused, sq, zero);
+  visit_blocks<T>(l, [&](const Blocks::Block& k, const float* xb) {
+    kernels::channel_sum_f32(xb, k.rows, k.cols, part.data() + k.c);
+    fold(k, mean);
+  }, x);
+  for (int64_t c = 0; c < C; ++c) {
+    mean[c] /= n;
+    mf[c] = static_cast<float>(mean[c]);
+  }
+  visit_blocks<T>(l, [&](const Blocks::Block& k, const float* xb) {
+    kernels::channel_sum_sq_dev_f32(xb, k.rows, k.cols, mf.data() + k.c, part.data() + k.c);
+    fold(k, var);
+  }, x);
   for (auto& v : var) v /= n;
+}
+
+// out = act(ku[c] * u' + kv[c] * v + k0[c]) over the whole view (see channel_affine_f32), blocks
+// spread over threads; 16-bit outputs rounded once from f32.
+template <class T>
+void channel_affine(const Layout& l, T* out, const T* u, const T* y, const T* v, const std::vector<float>& ku,
+                    const std::vector<float>& kv, const std::vector<float>& k0, bool relu) {
+  const Blocks bl{l};
+  parallel_for(0, bl.count(), std::max<int64_t>(1, 16384 / bl.max_elems()), [&](int64_t lo, int64_t hi) {
+    std::vector<float> su, sy, sv, so;
+    if constexpr (!std::is_same_v<T, float>) {
+      const size_t m = static_cast<size_t>(bl.max_elems());
+      su.resize(m);
+      if (y) sy.resize(m);
+      if (v) sv.resize(m);
+      so.resize(m);
+    }
+    for (int64_t b = lo; b < hi; ++b) {
+      const Blocks::Block k = bl[b];
+      const int64_t n = k.rows * k.cols;
+      const float* fu = f32_of<T>(u, k.base, n, su);
+      const float* fy = y ? f32_of<T>(y, k.base, n, sy) : nullptr;
+      const float* fv = v ? f32_of<T>(v, k.base, n, sv) : nullptr;
+      float* fo;
+      if constexpr (std::is_same_v<T, float>) fo = out + k.base;
+      else fo = so.data();
+      kernels::channel_affine_f32(fo, fu, fy, fv, k.rows, k.cols, ku.data() + k.c, kv.data() + k.c, k0.data() + k.c,
+                                  relu);
+      if constexpr (!std::is_same_v<T, float>) convert(fo, kFloat32, out + k.base, dtype_of<T>::value, n);
+    }
+  });
 }
 
 std::vector<double> values_or(const Tensor& t, int64_t n, double fill) {
@@ -184,7 +226,11 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   // ---- statistics ----
   std::vector<double> mean, var;
   if (training) {
-    TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] { channel_stats(static_cast<const scalar_t*>(x.data_ptr()), l, mean, var); });
+    TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] {
+      using T = scalar_t;
+      if constexpr (std::is_same_v<T, double>) channel_stats_f64(static_cast<const T*>(x.data_ptr()), l, mean, var);
+      else channel_stats(static_cast<const T*>(x.data_ptr()), l, mean, var);
+    });
     if (running_mean.defined() && running_var.defined()) {
       NoGradGuard no_grad;
       const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
@@ -214,8 +260,6 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
       shift[c] = static_cast<float>(b[c] - mean[c] * invstd[c] * w[c]);
     }
     const T* px = static_cast<const T*>(x.data_ptr());
-    auto xv = [px](int64_t i) { return static_cast<float>(static_cast<compute_t<T>>(px[i])); };
-    auto zero = [](int64_t) { return 0.0f; };
     if constexpr (std::is_same_v<T, double>) {
       T* py = static_cast<T*>(y.data_ptr());
       for (int64_t o = 0; o < l.outer; ++o)
@@ -225,10 +269,8 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
             py[k] = (px[k] - mean[c]) * invstd[c] * w[c] + b[c];
             if (relu && !(py[k] > 0)) py[k] = 0;
           }
-    } else if (relu) {
-      channel_affine<true>(l, static_cast<T*>(y.data_ptr()), scale, none, shift, xv, zero);
     } else {
-      channel_affine(l, static_cast<T*>(y.data_ptr()), scale, none, shift, xv, zero);
+      channel_affine<T>(l, static_cast<T*>(y.data_ptr()), px, nullptr, nullptr, scale, none, shift, relu);
     }
   });
   std::vector<Tensor> inputs{x_in, weight, bias};
@@ -248,12 +290,10 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
            Tensor gx = empty_like(x);
            TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm backward", [&] {
              using T = scalar_t;
-             using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
              const T* px = static_cast<const T*>(x.data_ptr());
              const T* pg = static_cast<const T*>(gy.data_ptr());
              // The fused ReLU's mask: the gradient counts only where the output was positive.
              const T* pm = out.defined() ? static_cast<const T*>(out.data_ptr()) : nullptr;
-             std::vector<A> mf(mean.begin(), mean.end());
              if constexpr (std::is_same_v<T, double>) {
                // f64 (gradcheck) accumulates in f64 throughout.
                sum_dy.assign(static_cast<size_t>(C), 0.0);
@@ -266,15 +306,30 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                      sum_dy[c] += gk;
                      sum_dy_xc[c] += gk * (px[k] - mean[c]);
                    }
-             } else if (pm) {
-               auto gv = [pg, pm](int64_t i) { return relu_mask(pg[i], pm[i]); };
-               channel_sums<float>(
-                   l, sum_dy, sum_dy_xc, [gv](int64_t i, int64_t) { return gv(i); },
-                   [gv, px, &mf](int64_t i, int64_t c) { return gv(i) * (static_cast<float>(px[i]) - mf[c]); });
              } else {
-               channel_sums<float>(
-                   l, sum_dy, sum_dy_xc, [pg](int64_t i, int64_t) { return static_cast<float>(pg[i]); },
-                   [pg, px, &mf](int64_t i, int64_t c) { return static_cast<float>(pg[i]) * (static_cast<float>(px[i]) - mf[c]); });
+               // Per-channel sums of g' and g' * (x - mean), g' the (ReLU-masked) gradient.
+               sum_dy.assign(static_cast<size_t>(C), 0.0);
+               sum_dy_xc.assign(static_cast<size_t>(C), 0.0);
+               std::vector<float> pa(static_cast<size_t>(C), 0.0f), pb(static_cast<size_t>(C), 0.0f),
+                   mf(mean.begin(), mean.end());
+               auto fold = [&](const Blocks::Block& k) {
+                 for (int64_t c = k.c; c < k.c + k.cols; ++c) {
+                   sum_dy[c] += pa[c];
+                   sum_dy_xc[c] += pb[c];
+                   pa[c] = pb[c] = 0.0f;
+                 }
+               };
+               if (pm) {
+                 visit_blocks<T>(l, [&](const Blocks::Block& k, const float* gb, const float* yb, const float* xb) {
+                   kernels::channel_sum_grad_f32(gb, yb, xb, k.rows, k.cols, mf.data() + k.c, pa.data() + k.c, pb.data() + k.c);
+                   fold(k);
+                 }, pg, pm, px);
+               } else {
+                 visit_blocks<T>(l, [&](const Blocks::Block& k, const float* gb, const float* xb) {
+                   kernels::channel_sum_grad_f32(gb, nullptr, xb, k.rows, k.cols, mf.data() + k.c, pa.data() + k.c, pb.data() + k.c);
+                   fold(k);
+                 }, pg, px);
+               }
              }
              // Training: gx = a * (gy - mean(gy) - xhat * mean(gy * xhat)), a = w * invstd; eval: a * gy.
              // Written as gx = k_gy * gy + k_x * x + k_0 per channel.
@@ -302,13 +357,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                    }
              } else {
                const std::vector<float> fg(k_gy.begin(), k_gy.end()), fx(k_x.begin(), k_x.end()), f0(k_0.begin(), k_0.end());
-               auto xv = [px](int64_t i) { return static_cast<float>(px[i]); };
-               if (pm) {
-                 channel_affine(
-                     l, po, fg, fx, f0, [pg, pm](int64_t i) { return relu_mask(pg[i], pm[i]); }, xv);
-               } else {
-                 channel_affine(l, po, fg, fx, f0, [pg](int64_t i) { return static_cast<float>(pg[i]); }, xv);
-               }
+               channel_affine<T>(l, po, pg, pm, px, fg, fx, f0, false);
              }
            });
            std::vector<double> sum_dy_xhat(static_cast<size_t>(C));

@@ -2,7 +2,9 @@
 // primitives with activations in channels-last (NHWC) layout, which its AVX-512/AMX kernels use
 // natively: a conv output stays channels-last through ReLU/BatchNorm into the next conv, so data
 // is reordered only at the boundaries (an NCHW input, the weights). f64 runs on plain loops (for
-// gradcheck); f16 goes through f32. Primitives are built once per shape and reused.
+// gradcheck); f16 goes through f32. Primitives are built once per shape and reused. The bf16
+// weight gradient (groups 1, C*KH*KW >= 64) runs as AMX GEMMs over im2col blocks instead of
+// oneDNN 2.6's backward-weights kernel, which is 5x slower than its matmul on these shapes.
 #pragma once
 
 #include <array>
