@@ -416,6 +416,54 @@ TEST(DDP, GradientAsBucketViewAndDelayAllreduceGiveTheSameGradients) {
   });
 }
 
+// Without bucket views, finalize hands the reduced bucket memory over to grad() when nothing else
+// holds the gradient, and moves the bucket elsewhere: the gradients must equal the copying path's
+// (zero_grad keeping the grads, where they are copied into), and a gradient held by the user must
+// not change in later iterations. With bucket views it does change (the next copy-in writes it).
+TEST(DDP, HeldGradientsSurviveLaterIterationsUnlessBucketViews) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    Workload w = w1_mlp();
+    const int64_t r = group->rank();
+    auto run = [&](DDPOptions o, bool set_to_none, std::vector<Tensor>* held, std::vector<Tensor>* held_values) {
+      td::manual_seed(0);
+      auto model = w.make_model();
+      DistributedDataParallel ddp(model, group, o);
+      std::vector<std::vector<Tensor>> per_step;
+      for (int s = 0; s < 4; ++s) {  // across the rebuild, then ping-pong between bucket memories
+        auto [x, y] = w.batch(s, 16);
+        model->zero_grad(set_to_none);
+        w.loss(ddp(rank_rows(x, r, 2)), rank_rows(y, r, 2)).backward();
+        std::vector<Tensor> g;
+        for (auto& p : model->parameters()) g.push_back(p.grad().clone());
+        per_step.push_back(g);
+        if (held != nullptr && s == 1) {
+          for (auto& p : model->parameters()) {
+            held->push_back(p.grad());
+            held_values->push_back(p.grad().clone());
+          }
+        }
+      }
+      return per_step;
+    };
+    std::vector<Tensor> held, held_values, held_view, held_view_values;
+    const auto handed = run({}, true, &held, &held_values);
+    const auto copied = run({}, false, nullptr, nullptr);
+    run({.gradient_as_bucket_view = true}, true, &held_view, &held_view_values);
+    for (size_t s = 0; s < handed.size(); ++s) {
+      for (size_t i = 0; i < handed[s].size(); ++i) {
+        if (rel_diff(handed[s][i], copied[s][i]) != 0.0)
+          fail(fmt::format("step {}: handed-over gradient {} differs from the copied one", s, i));
+      }
+    }
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (rel_diff(held[i], held_values[i]) != 0.0) fail(fmt::format("held gradient {} changed after its step", i));
+    }
+    bool view_changed = false;
+    for (size_t i = 0; i < held_view.size(); ++i) view_changed |= rel_diff(held_view[i], held_view_values[i]) != 0.0;
+    if (!view_changed) fail("with gradient_as_bucket_view a held gradient should be the live bucket slot");
+  });
+}
+
 // World size 1 skips the collective and the bucket copies (the average over one rank is the
 // gradient): the gradients must still be exactly the plain module's, with every option, and a
 // registered hook must still see every bucket.
@@ -456,13 +504,17 @@ TEST(DDP, WorldSizeOneGivesThePlainGradientsWithEveryOption) {
       for (size_t i = 0; i < got.size(); ++i) {
         if (rel_diff(got[i], want[i]) != 0.0) fail(what + ": gradients differ from the plain module's");
       }
-      const auto params = model->parameters();
-      const bool shared = params[0].grad().storage() == params[1].grad().storage();
-      if (shared != o.gradient_as_bucket_view)
-        fail(fmt::format("{}: gradients {} bucket views", what, shared ? "are" : "are not"));
+      // A gradient held across the next iteration keeps its values, unless grads are bucket views.
+      const Tensor held = model->parameters()[0].grad(), before = held.clone();
+      auto [x, y] = w.batch(steps, 16);
+      model->zero_grad();
+      w.loss(ddp(x), y).backward();
+      if ((rel_diff(held, before) != 0.0) != o.gradient_as_bucket_view)
+        fail(fmt::format("{}: a held gradient {} by the next iteration", what,
+                         o.gradient_as_bucket_view ? "was not overwritten" : "was overwritten"));
       const int buckets = static_cast<int>(ddp.reducer().bucket_indices().size());
-      if (hook && calls != steps * buckets)
-        fail(fmt::format("{}: hook called {} times for {} steps of {} buckets", what, calls, steps, buckets));
+      if (hook && calls != (steps + 1) * buckets)
+        fail(fmt::format("{}: hook called {} times for {} steps of {} buckets", what, calls, steps + 1, buckets));
     };
     run({}, false, "defaults");
     run({.gradient_as_bucket_view = true}, false, "gradient_as_bucket_view");

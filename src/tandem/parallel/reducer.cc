@@ -173,6 +173,22 @@ Tensor Reducer::slot(int64_t param) const {
   return make_view(b.flat, p.tensor.shape(), contiguous_strides(p.tensor.shape()), b.flat.offset() + p.offset);
 }
 
+void Reducer::replace_bucket_memory(int64_t bi) {
+  Bucket& b = buckets_[bi];
+  // The previous memory is free again once the gradients handed over from it were dropped
+  // (zero_grad(set_to_none)): then the bucket and the gradients take turns between two blocks.
+  std::shared_ptr<void> next;
+  if (b.spare && b.spare.use_count() == 1) {
+    next = std::move(b.spare);
+  } else {
+    next = group_->allocate(static_cast<size_t>(b.numel) * element_size(b.dtype));
+  }
+  b.spare = std::move(b.memory);
+  b.memory = std::move(next);
+  std::shared_ptr<void> keep = b.memory;
+  b.flat = from_blob(b.memory.get(), {b.numel}, b.dtype, [keep](void*) {});
+}
+
 void Reducer::register_comm_hook(CommHook hook) {
   TANDEM_CHECK(!hook_, ValueError, "register_comm_hook: a communication hook is already registered (only one allowed)");
   hook_ = std::move(hook);
@@ -377,20 +393,33 @@ void Reducer::finalize() {
     }
   }
 
+  // The averaged values into grad(). Without bucket views, a gradient that nothing but its
+  // parameter holds (the usual case: zero_grad() set it to none and this backward created it) is
+  // replaced by its slot instead of copied into, and the bucket moves to other memory before the
+  // next iteration, so that grad() never aliases a live bucket: what a bucket view would give,
+  // without its aliasing, and one pass over the gradients less. A gradient held elsewhere too (a
+  // user's reference or view, or zero_grad(set_to_none=false) keeping it) is copied into, as in
+  // PyTorch.
   NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Param& p = params_[i];
-    if (!globally_used[i]) continue;
-    if (local_only_ && !options_.gradient_as_bucket_view) continue;  // grad() already is the result
-    Tensor s = slot(static_cast<int64_t>(i));
-    Tensor g = p.tensor.grad();
-    if (options_.gradient_as_bucket_view) {
-      if (!(g.defined() && g.storage() == s.storage() && g.offset() == s.offset())) p.tensor.set_grad(s);
-    } else if (g.defined()) {
-      g.copy_(s);
-    } else {
-      p.tensor.set_grad(s.clone());
+  for (int64_t bi = 0; bi < static_cast<int64_t>(buckets_.size()); ++bi) {
+    Bucket& b = buckets_[bi];
+    bool handed_over = false;
+    for (int64_t i : b.params) {
+      Param& p = params_[i];
+      if (!globally_used[i]) continue;
+      if (local_only_ && !options_.gradient_as_bucket_view) continue;  // grad() already is the result
+      Tensor s = slot(i);
+      Tensor g = p.tensor.grad();
+      if (options_.gradient_as_bucket_view) {
+        if (!(g.defined() && g.storage() == s.storage() && g.offset() == s.offset())) p.tensor.set_grad(s);
+      } else if (g.defined() && !(g.impl_ptr().use_count() == 2 && g.storage().use_count() == 1)) {
+        g.copy_(s);  // also referenced elsewhere: keep its identity
+      } else {
+        p.tensor.set_grad(s);
+        handed_over = true;
+      }
     }
+    if (handed_over) replace_bucket_memory(bi);
   }
 
   if (!rebuilt_) {

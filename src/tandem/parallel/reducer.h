@@ -13,8 +13,11 @@
 // bucket's pending count. A bucket whose count reaches zero is launched asynchronously — in bucket
 // order, so every rank issues the same collectives in the same order — while backward continues.
 // A callback queued on the autograd engine runs when backward ends: it waits for every bucket,
-// and copies the averaged values back into grad(). Invariant: after a synchronized backward
-// returns, every parameter's grad() holds the average over ranks, or backward threw.
+// and puts the averaged values into grad(): a gradient that only its parameter holds is replaced
+// by its slot and the bucket moves to other memory (no copy back; the two blocks take turns),
+// any other is copied into. At world size 1 with the default hook nothing is copied or reduced.
+// Invariant: after a synchronized backward returns, every parameter's grad() holds the average
+// over ranks, or backward threw; without gradient_as_bucket_view no grad() aliases a live bucket.
 #pragma once
 
 #include <chrono>
@@ -104,6 +107,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     DType dtype = kFloat32;
     int64_t numel = 0;
     std::shared_ptr<void> memory;
+    std::shared_ptr<void> spare;  // the memory last handed over to grad() (finalize), for reuse
     Tensor flat;          // (numel,) over memory
     int64_t pending = 0;  // gradients still to arrive this iteration
     bool launched = false;
@@ -116,6 +120,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Builds buckets from `order` (parameter indices, first-ready first).
   void build_buckets(const std::vector<int64_t>& order);
   Tensor slot(int64_t param) const;  // the parameter's view into its bucket
+  // Gives bucket `bi` other memory (its slots' old values are not kept): its current memory was
+  // handed over to grad() by finalize.
+  void replace_bucket_memory(int64_t bi);
   void on_gradient_ready(int64_t param);
   void mark_ready(int64_t param);
   void launch_ready_buckets();
