@@ -605,6 +605,62 @@ TEST(AttentionFused, EqualsComposedReference) {
   EXPECT_FALSE(all_close(ops::scaled_dot_product_attention(q, k, v, false).select(1, 0), v.detach().select(1, 0), 1e-3, 0));
 }
 
+// q, k, v as the (B, H, T, D) heads of one fused (B, T, 3*H*D) projection, read in place by the
+// kernel, with the gradient of the projection coming back as one buffer (no copy in the split's
+// backward) and the output stored (B, T, H, D): f64 gradcheck through the whole chain; f32 and
+// f64 equal the composed reference on the same views (tolerances as above); bf16 within one
+// rounding of f32 on the same bf16 values. Heads viewed from a transposed (strided) buffer, not
+// packed, take the same in-place path with their own strides.
+TEST(AttentionFused, PackedQkvAndStridedHeads) {
+  const int64_t B = 2, T = 19, H = 3, D = 8;
+  auto heads = [&](const Tensor& qkv) {
+    std::vector<Tensor> p = ops::split(qkv, H * D, 2);
+    for (Tensor& t : p) t = t.view({B, T, H, D}).transpose(1, 2);
+    return p;
+  };
+  auto attend = [&](const Tensor& qkv, bool fused) {
+    const std::vector<Tensor> p = heads(qkv);
+    const Tensor y = fused ? ops::scaled_dot_product_attention(p[0], p[1], p[2], true)
+                           : ops::scaled_dot_product_attention_reference(p[0], p[1], p[2], true);
+    return y.transpose(1, 2).contiguous().view({B, T, H * D});
+  };
+  EXPECT_TRUE(tight_gradcheck([&](const V& v) { return attend(v[0], true); },
+                              {leaf({B, T, 3 * H * D}, -1, 1, 1150, kFloat64)}));
+  for (DType dt : {kFloat64, kFloat32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const double tol = dt == kFloat64 ? 1e-12 : 1e-5;
+    const Tensor qkv = leaf({B, T, 3 * H * D}, -2, 2, 1151, dt);
+    const Tensor y = attend(qkv, true), r = attend(qkv, false);
+    EXPECT_TRUE(all_close(y, r, tol, tol)) << "output";
+    const std::vector<Tensor> p = heads(qkv.detach());
+    EXPECT_EQ(ops::scaled_dot_product_attention(p[0], p[1], p[2], true).transpose(1, 2).strides(),
+              contiguous_strides({B, T, H, D}))
+        << "output stored (B, T, H, D)";
+    const Tensor gy = randn(y.shape(), dt, nullptr);
+    const V gf = autograd::grad({ops::sum(ops::mul(y, gy))}, {qkv});
+    const V gr = autograd::grad({ops::sum(ops::mul(r, gy))}, {qkv});
+    EXPECT_TRUE(all_close(gf[0], gr[0], tol, tol)) << "qkv gradient";
+    // Strided, unpacked heads: q, k, v from a (B, 3*H*D, T) buffer viewed transposed.
+    const Tensor t_buf = leaf({B, 3 * H * D, T}, -2, 2, 1152, dt);
+    const Tensor ys = attend(t_buf.transpose(1, 2), true), rs = attend(t_buf.transpose(1, 2), false);
+    EXPECT_TRUE(all_close(ys, rs, tol, tol)) << "strided output";
+    const V gs = autograd::grad({ops::sum(ops::mul(ys, gy))}, {t_buf});
+    const V grs = autograd::grad({ops::sum(ops::mul(rs, gy))}, {t_buf});
+    EXPECT_TRUE(all_close(gs[0], grs[0], tol, tol)) << "strided gradient";
+  }
+  const Tensor q16 = leaf({B, T, 3 * H * D}, -2, 2, 1153, kBFloat16);
+  Tensor q32 = q16.detach().to(kFloat32);
+  q32.requires_grad_(true);
+  const Tensor y16 = attend(q16, true), y32 = attend(q32, true);
+  EXPECT_EQ(y16.dtype(), kBFloat16);
+  EXPECT_TRUE(all_close(y16, y32, kUBf16, 0)) << "bf16 output";
+  const Tensor gy = randn(y32.shape(), kBFloat16, nullptr);
+  const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gy.to(kFloat32)))}, {q16});
+  const V g32 = autograd::grad({ops::sum(ops::mul(y32, gy.to(kFloat32)))}, {q32});
+  EXPECT_EQ(g16[0].dtype(), kBFloat16);
+  EXPECT_TRUE(all_close(g16[0], g32[0], kUBf16, 0)) << "bf16 qkv gradient";
+}
+
 // ============================================================================ layout and state
 
 TEST(ConvLayout, OutputIsChannelsLastAndReluKeepsIt) {

@@ -37,7 +37,14 @@ kernels::AttentionShape check_shapes(const Tensor& q, const Tensor& k, const Ten
                "scaled_dot_product_attention: expected q, k, v of one floating dtype, got {}, {}, {}",
                dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype()));
   const int64_t T = q.size(-2), S = k.size(-2);
-  return {q.numel() / std::max<int64_t>(T * q.size(-1), 1), T, S, q.size(-1), v.size(-1), causal};
+  kernels::AttentionShape s;
+  s.BH = q.numel() / std::max<int64_t>(T * q.size(-1), 1);
+  s.T = T;
+  s.S = S;
+  s.D = q.size(-1);
+  s.Dv = v.size(-1);
+  s.causal = causal;
+  return s;
 }
 
 // t as a contiguous tensor of dtype `acc`. A strided view whose last dim is dense (the heads of
@@ -67,18 +74,60 @@ Tensor to_dense(const Tensor& t_in, DType acc) {
   return out;
 }
 
+// t as a kernel operand of dtype acc with H heads: t itself when the kernel can read it in place
+// (dtype acc, 3-d or 4-d, unit stride along D), else a contiguous copy; `layout` says where its
+// rows are.
+Tensor operand(const Tensor& t_in, DType acc, int64_t H, kernels::HeadLayout& layout) {
+  const Tensor t = t_in.detach();
+  const bool unit = t.size(-1) <= 1 || t.stride(-1) == 1;
+  if (t.dtype() == acc && unit && t.dim() == 4) {
+    layout = {t.stride(0), t.stride(1), t.stride(2)};
+    return t;
+  }
+  if (t.dtype() == acc && unit && t.dim() == 3 && H == 1) {
+    layout = {t.stride(0), 0, t.stride(1)};
+    return t;
+  }
+  Tensor d = to_dense(t, acc);
+  layout = kernels::contiguous_heads(H, t.size(-2), t.size(-1));
+  return d;
+}
+
+// q, k, v are the three (B, H, T, D) pieces of one (B, T, 3, H, D) buffer (a fused qkv
+// projection split and viewed as heads).
+bool is_packed_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (q.dim() != 4 || k.shape() != q.shape() || v.shape() != q.shape()) return false;
+  if (q.storage() != k.storage() || q.storage() != v.storage() || q.dtype() != k.dtype() || q.dtype() != v.dtype()) return false;
+  const int64_t H = q.size(1), T = q.size(2), D = q.size(3);
+  const Shape want{T * 3 * H * D, D, 3 * H * D, 1};
+  return q.strides() == want && k.strides() == want && v.strides() == want && k.offset() == q.offset() + H * D &&
+         v.offset() == q.offset() + 2 * H * D;
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     std::optional<double> scale_opt) {
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::scaled_dot_product_attention, [](const auto&... args) { return scaled_dot_product_attention(args...); }, q, k, v, causal, scale_opt);
-  const kernels::AttentionShape s = check_shapes(q, k, v, causal);
+  kernels::AttentionShape s = check_shapes(q, k, v, causal);
   const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
   const DType acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
-  const Tensor qc = to_dense(q, acc), kc = to_dense(k, acc), vc = to_dense(v, acc);
+  // (B, H, T, D) operands: 4-d tensors keep their heads; others are (BH, 1, T, D).
+  s.H = q.dim() == 4 ? q.size(1) : 1;
+  const Tensor qc = operand(q, acc, s.H, s.q), kc = operand(k, acc, s.H, s.k), vc = operand(v, acc, s.H, s.v);
   Shape oshape = q.shape();
   oshape.back() = s.Dv;
-  Tensor out = empty(oshape, acc);
+  // A 4-d output is stored (B, T, H, Dv), as PyTorch's CPU flash attention returns it: the usual
+  // y.transpose(1, 2).contiguous().view(B, T, H * Dv) that follows is then free.
+  Tensor out;
+  if (q.dim() == 4) {
+    const int64_t H = s.H, T = s.T, Dv = s.Dv;
+    out = empty_strided(oshape, {T * H * Dv, Dv, H * Dv, 1}, acc);
+    s.out = {T * H * Dv, Dv, H * Dv};
+  } else {
+    out = empty(oshape, acc);
+    s.out = kernels::contiguous_heads(s.H, s.T, s.Dv);
+  }
   Tensor lse = empty({s.BH * s.T}, acc);
   auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -89,38 +138,52 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (acc == kFloat64) run(double{});
   else run(float{});
   Tensor result;
-  if (q.dtype() != acc && out.dim() == 4) {
-    // (B, H, T, Dv) stored as (B, T, H, Dv), as PyTorch's CPU flash attention returns it: the
-    // usual y.transpose(1, 2).contiguous().view(B, T, H * Dv) that follows is then free.
-    const int64_t B = out.size(0), H = out.size(1), T = out.size(2), Dv = out.size(3);
-    result = empty_strided(out.shape(), {T * H * Dv, Dv, H * Dv, 1}, q.dtype());
-    const float* po = out.data_ptr<float>();
-    char* pr = static_cast<char*>(result.data_ptr());
-    const size_t es = result.element_size();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t t = 0; t < T; ++t)
-          convert(po + ((b * H + h) * T + t) * Dv, kFloat32, pr + static_cast<size_t>(((b * T + t) * H + h) * Dv) * es,
-                  q.dtype(), Dv);
+  if (q.dtype() != acc) {  // same strides, so one conversion over the dense buffer
+    result = empty_strided(out.shape(), out.strides(), q.dtype());
+    convert(out.data_ptr(), acc, result.data_ptr(), q.dtype(), out.numel());
   } else {
-    result = out.to(q.dtype());
-    if (result.is_same(out)) result = make_view(out, out.shape(), out.strides(), out.offset());
+    result = make_view(out, out.shape(), out.strides(), out.offset());
   }
+  const bool packed = is_packed_qkv(q, k, v);
   record("ScaledDotProductAttentionBackward", {q, k, v}, {result},
-         [qc, kc, vc, out, lse, s, scale, dq_t = q.dtype(), qs = q.shape(), ks = k.shape(), vs = v.shape()](const G& g) {
+         [qc, kc, vc, out, lse, s, scale, packed, dq_t = q.dtype(), qs = q.shape(), ks = k.shape(), vs = v.shape(),
+          q_strides = q.strides()](const G& g) {
            const DType acc = qc.dtype();
-           const Tensor go = to_dense(g[0], acc);
-           Tensor dq = empty(qs, acc), dk = empty(ks, acc), dv = empty(vs, acc);
+           kernels::AttentionShape sb = s;
+           const Tensor go = operand(g[0], acc, s.H, sb.dout);
+           // Gradients: for q, k, v packed in one (B, T, 3, H, D) projection, one buffer of that
+           // layout (the split's backward then passes it on whole, no copy); else contiguous.
+           Tensor dq, dk, dv, packed_buf;
+           if (packed) {
+             const int64_t B = qs[0], H = qs[1], T = qs[2], D = qs[3];
+             packed_buf = empty({B, T, 3 * H * D}, acc);
+             dq = make_view(packed_buf, qs, q_strides, 0);
+             dk = make_view(packed_buf, ks, q_strides, H * D);
+             dv = make_view(packed_buf, vs, q_strides, 2 * H * D);
+             sb.dq = sb.dk = sb.dv = {T * 3 * H * D, D, 3 * H * D};
+           } else {
+             dq = empty(qs, acc), dk = empty(ks, acc), dv = empty(vs, acc);
+             sb.dq = kernels::contiguous_heads(s.H, s.T, s.D);
+             sb.dk = kernels::contiguous_heads(s.H, s.S, s.D);
+             sb.dv = kernels::contiguous_heads(s.H, s.S, s.Dv);
+           }
            auto run = [&](auto tag) {
              using T = decltype(tag);
              kernels::attention_backward<T>(
                  static_cast<const T*>(qc.data_ptr()), static_cast<const T*>(kc.data_ptr()),
                  static_cast<const T*>(vc.data_ptr()), static_cast<const T*>(out.data_ptr()),
                  static_cast<const T*>(lse.data_ptr()), static_cast<const T*>(go.data_ptr()), static_cast<T*>(dq.data_ptr()),
-                 static_cast<T*>(dk.data_ptr()), static_cast<T*>(dv.data_ptr()), s, static_cast<T>(scale));
+                 static_cast<T*>(dk.data_ptr()), static_cast<T*>(dv.data_ptr()), sb, static_cast<T>(scale));
            };
            if (acc == kFloat64) run(double{});
            else run(float{});
+           if (dq_t == acc) return G{dq, dk, dv};
+           if (packed) {  // one conversion of the whole buffer
+             Tensor low = empty(packed_buf.shape(), dq_t);
+             convert(packed_buf.data_ptr(), acc, low.data_ptr(), dq_t, packed_buf.numel());
+             return G{make_view(low, qs, q_strides, 0), make_view(low, ks, q_strides, dk.offset()),
+                      make_view(low, vs, q_strides, dv.offset())};
+           }
            return G{dq.to(dq_t), dk.to(dq_t), dv.to(dq_t)};
          });
   return result;

@@ -313,6 +313,29 @@ Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
   return cat(parts, dim);
 }
 
+namespace {
+
+// The view of shape in_shape that the pieces g tile along dim, when they are views of one
+// storage with one set of strides at consecutive offsets and that view is dense; else undefined.
+Tensor joined_view(const std::vector<Tensor>& g, const Shape& in_shape, int64_t dim, const std::vector<int64_t>& sizes) {
+  if (g.size() != sizes.size() || g.empty() || !g[0].defined()) return Tensor();
+  const Tensor& g0 = g[0];
+  if (g0.dim() != static_cast<int64_t>(in_shape.size())) return Tensor();
+  int64_t at = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Tensor& gi = g[i];
+    if (!gi.defined() || gi.storage() != g0.storage() || gi.dtype() != g0.dtype() || gi.strides() != g0.strides() ||
+        gi.size(dim) != sizes[i] || gi.offset() != g0.offset() + at * g0.stride(dim)) {
+      return Tensor();
+    }
+    at += sizes[i];
+  }
+  Tensor whole = make_view(g0, in_shape, g0.strides(), g0.offset());
+  return whole.is_non_overlapping_and_dense() ? whole : Tensor();
+}
+
+}  // namespace
+
 std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
   dim = wrap_dim(dim, x.dim(), "split");
   int64_t total = 0;
@@ -341,6 +364,9 @@ std::vector<Tensor> split_with_sizes(const Tensor& x, const std::vector<int64_t>
     at += s;
   }
   record("SplitBackward", {x}, out, [in_shape = x.shape(), dim, sizes](const std::vector<Tensor>& g) {
+    // Pieces' gradients that are adjacent views of one buffer (attention's packed q, k, v
+    // gradients) already form the input gradient: it is passed on as a view, not copied.
+    if (Tensor whole = joined_view(g, in_shape, dim, sizes); whole.defined()) return std::vector<Tensor>{whole};
     DType dt = kFloat32;
     for (const Tensor& gi : g)
       if (gi.defined()) dt = gi.dtype();

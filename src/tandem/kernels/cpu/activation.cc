@@ -4,33 +4,15 @@
 
 #include "tandem/core/convert.h"
 #include "tandem/core/parallel.h"
-#include "tandem/kernels/cpu/vec_math.h"
+#include "tandem/kernels/cpu/row_math.h"
 
 namespace tandem::kernels {
 namespace {
 
-constexpr float kK = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kC = 0.044715f;
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void gelu_fwd(const float* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    // 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation where tanh(u) is near -1.
-    const float v = x[i];
-    y[i] = v / (1.0f + exp_approx(-2.0f * kK * (v + kC * v * v * v)));
-  }
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void gelu_bwd(const float* __restrict g, const float* __restrict x, float* __restrict gx, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    // With s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) u'.
-    const float v = x[i];
-    const float s = 1.0f / (1.0f + exp_approx(-2.0f * kK * (v + kC * v * v * v)));
-    const float du = kK * (1.0f + 3.0f * kC * v * v);
-    gx[i] = g[i] * (s + 2.0f * v * s * (1.0f - s) * du);
-  }
-}
+// The f32 bodies are row_math's gelu_tanh_row_f32 / gelu_tanh_backward_row_f32 (AVX-512 picked at
+// run time); 16-bit tensors go through them in blocks widened to f32.
+void gelu_fwd(const float* x, float* y, int64_t n) { gelu_tanh_row_f32(x, y, n); }
+void gelu_bwd(const float* g, const float* x, float* gx, int64_t n) { gelu_tanh_backward_row_f32(g, x, gx, n); }
 
 }  // namespace
 

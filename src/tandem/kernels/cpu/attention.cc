@@ -15,7 +15,7 @@ namespace {
 
 // Query rows per tile: a tile's scores (kTile x keys) are the only T x S-like buffer, and it
 // lives only while that tile is processed.
-constexpr int64_t kTile = 128;
+constexpr int64_t kTile = 64;
 
 // A (rows, cols) matrix view of raw memory with row stride `ld`, as a 3-d (1, rows, cols)
 // tensor for gemm; `transposed` views the memory as its transpose.
@@ -40,6 +40,30 @@ T exp_of(T x) {
 // Keys visible to query row t.
 int64_t visible(const AttentionShape& s, int64_t t) { return s.causal ? std::min(t + 1, s.S) : s.S; }
 
+// Head bh's first row in an operand.
+template <class P>
+P* head(P* base, const HeadLayout& l, const AttentionShape& s, int64_t bh) {
+  return base + (bh / s.H) * l.sb + (bh % s.H) * l.sh;
+}
+
+// rows x cols from a contiguous buffer into rows of stride ld.
+template <class T>
+void store_rows(const T* src, T* dst, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) std::copy(src + r * cols, src + (r + 1) * cols, dst + r * ld);
+}
+
+// dst rows (stride ld) += src rows (contiguous).
+template <class T>
+void add_rows(T* dst, const T* src, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<T, float>) {
+      add_into_f32(dst + r * ld, src + r * cols, cols);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) dst[r * ld + j] += src[r * cols + j];
+    }
+  }
+}
+
 }  // namespace
 
 // Works as follows, per (batch*head) and per tile of query rows: scores = Q_tile K^T over the
@@ -49,19 +73,20 @@ int64_t visible(const AttentionShape& s, int64_t t) { return s.causal ? std::min
 template <class T>
 void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const AttentionShape& s, T scale) {
   for (int64_t bh = 0; bh < s.BH; ++bh) {
-    const T* Q = q + bh * s.T * s.D;
-    const T* K = k + bh * s.S * s.D;
-    const T* V = v + bh * s.S * s.Dv;
+    const T* Q = head(q, s.q, s, bh);
+    const T* K = head(k, s.k, s, bh);
+    const T* V = head(v, s.v, s, bh);
+    T* Oh = head(out, s.out, s, bh);
     for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
       const int64_t rows = std::min(kTile, s.T - t0);
       const int64_t n = visible(s, t0 + rows - 1);
-      T* O = out + (bh * s.T + t0) * s.Dv;
+      T* O = Oh + t0 * s.out.st;
       if (n == 0) {
-        std::fill(O, O + rows * s.Dv, T(0));
+        for (int64_t r = 0; r < rows; ++r) std::fill(O + r * s.out.st, O + r * s.out.st + s.Dv, T(0));
         std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<T>::infinity());
         continue;
       }
-      Tensor scores = matmul<T>(mat(Q + t0 * s.D, rows, s.D, s.D), mat(K, n, s.D, s.D, true));  // (1, rows, n)
+      Tensor scores = matmul<T>(mat(Q + t0 * s.q.st, rows, s.D, s.q.st), mat(K, n, s.D, s.k.st, true));  // (1, rows, n)
       T* P = scores.data_ptr<T>();
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
@@ -83,8 +108,8 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         std::fill(row + nr, row + n, T(0));
         lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
       }
-      Tensor o = matmul<T>(scores, mat(V, n, s.Dv, s.Dv));  // (1, rows, Dv)
-      std::copy(o.data_ptr<T>(), o.data_ptr<T>() + rows * s.Dv, O);
+      Tensor o = matmul<T>(scores, mat(V, n, s.Dv, s.v.st));  // (1, rows, Dv)
+      store_rows(o.data_ptr<T>(), O, rows, s.Dv, s.out.st);
     }
   }
 }
@@ -94,25 +119,31 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
 template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
                         const AttentionShape& s, T scale) {
-  std::fill(dk, dk + s.BH * s.S * s.D, T(0));
-  std::fill(dv, dv + s.BH * s.S * s.Dv, T(0));
   for (int64_t bh = 0; bh < s.BH; ++bh) {
-    const T* Q = q + bh * s.T * s.D;
-    const T* K = k + bh * s.S * s.D;
-    const T* V = v + bh * s.S * s.Dv;
-    T* dK = dk + bh * s.S * s.D;
-    T* dV = dv + bh * s.S * s.Dv;
+    const T* Q = head(q, s.q, s, bh);
+    const T* K = head(k, s.k, s, bh);
+    const T* V = head(v, s.v, s, bh);
+    const T* Oh = head(out, s.out, s, bh);
+    const T* dOh = head(dout, s.dout, s, bh);
+    T* dQh = head(dq, s.dq, s, bh);
+    T* dK = head(dk, s.dk, s, bh);
+    T* dV = head(dv, s.dv, s, bh);
+    for (int64_t j = 0; j < s.S; ++j) {
+      std::fill(dK + j * s.dk.st, dK + j * s.dk.st + s.D, T(0));
+      std::fill(dV + j * s.dv.st, dV + j * s.dv.st + s.Dv, T(0));
+    }
     for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
       const int64_t rows = std::min(kTile, s.T - t0);
       const int64_t n = visible(s, t0 + rows - 1);
-      T* dQ = dq + (bh * s.T + t0) * s.D;
+      T* dQ = dQh + t0 * s.dq.st;
       if (n == 0) {
-        std::fill(dQ, dQ + rows * s.D, T(0));
+        for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * s.dq.st, dQ + r * s.dq.st + s.D, T(0));
         continue;
       }
-      const T* dO = dout + (bh * s.T + t0) * s.Dv;
-      const T* O = out + (bh * s.T + t0) * s.Dv;
-      Tensor p_t = matmul<T>(mat(Q + t0 * s.D, rows, s.D, s.D), mat(K, n, s.D, s.D, true));  // (1, rows, n)
+      const T* dO = dOh + t0 * s.dout.st;
+      const T* O = Oh + t0 * s.out.st;
+      const T* Qt = Q + t0 * s.q.st;
+      Tensor p_t = matmul<T>(mat(Qt, rows, s.D, s.q.st), mat(K, n, s.D, s.k.st, true));  // (1, rows, n)
       T* P = p_t.data_ptr<T>();
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
@@ -127,19 +158,14 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         std::fill(row + nr, row + n, T(0));
       }
       // dV[0:n] += P^T dO
-      Tensor dv_t = matmul<T>(mat(P, rows, n, n, true), mat(dO, rows, s.Dv, s.Dv));
-      const T* pdv = dv_t.data_ptr<T>();
-      if constexpr (std::is_same_v<T, float>) {
-        add_into_f32(dV, pdv, n * s.Dv);
-      } else {
-        for (int64_t i = 0; i < n * s.Dv; ++i) dV[i] += pdv[i];
-      }
+      Tensor dv_t = matmul<T>(mat(P, rows, n, n, true), mat(dO, rows, s.Dv, s.dout.st));
+      add_rows(dV, dv_t.data_ptr<T>(), n, s.Dv, s.dv.st);
       // dS = P * (dO V^T - delta) * scale, in place of dP
-      Tensor ds_t = matmul<T>(mat(dO, rows, s.Dv, s.Dv), mat(V, n, s.Dv, s.Dv, true));  // (1, rows, n)
+      Tensor ds_t = matmul<T>(mat(dO, rows, s.Dv, s.dout.st), mat(V, n, s.Dv, s.v.st, true));  // (1, rows, n)
       T* dS = ds_t.data_ptr<T>();
       for (int64_t r = 0; r < rows; ++r) {
-        const T* dor = dO + r * s.Dv;
-        const T* orow = O + r * s.Dv;
+        const T* dor = dO + r * s.dout.st;
+        const T* orow = O + r * s.out.st;
         T* ds = dS + r * n;
         const T* pr = P + r * n;
         if constexpr (std::is_same_v<T, float>) {
@@ -151,15 +177,10 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
       }
       // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-      Tensor dq_t = matmul<T>(ds_t, mat(K, n, s.D, s.D));
-      std::copy(dq_t.data_ptr<T>(), dq_t.data_ptr<T>() + rows * s.D, dQ);
-      Tensor dk_t = matmul<T>(mat(dS, rows, n, n, true), mat(Q + t0 * s.D, rows, s.D, s.D));
-      const T* pdk = dk_t.data_ptr<T>();
-      if constexpr (std::is_same_v<T, float>) {
-        add_into_f32(dK, pdk, n * s.D);
-      } else {
-        for (int64_t i = 0; i < n * s.D; ++i) dK[i] += pdk[i];
-      }
+      Tensor dq_t = matmul<T>(ds_t, mat(K, n, s.D, s.k.st));
+      store_rows(dq_t.data_ptr<T>(), dQ, rows, s.D, s.dq.st);
+      Tensor dk_t = matmul<T>(mat(dS, rows, n, n, true), mat(Qt, rows, s.D, s.q.st));
+      add_rows(dK, dk_t.data_ptr<T>(), n, s.D, s.dk.st);
     }
   }
 }

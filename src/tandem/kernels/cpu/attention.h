@@ -1,18 +1,33 @@
-// Fused scaled-dot-product attention on CPU. Works per head and per tile of up to 128 query
-// rows: the tile's scores against the keys it may see (causal: later keys are never computed)
-// come from one GEMM, are softmaxed in f32 and applied to V by a second GEMM; only each row's
+// Fused scaled-dot-product attention on CPU. Works per head and per tile of query rows: the
+// tile's scores against the keys it may see (causal: later keys are never computed) come from
+// one GEMM, are softmaxed in f32 and applied to V by a second GEMM; only each row's
 // log-sum-exp is kept. Backward recomputes a tile's probabilities from Q, K and that
-// log-sum-exp, so no T x T matrix outlives its tile. Buffers are contiguous (BH, T, D) in f32
-// or f64.
+// log-sum-exp, so no T x T matrix outlives its tile. Operands are f32 or f64 (B, H, T, D)
+// tensors given by a base pointer and a HeadLayout each: any strides over b, h and t, unit
+// stride along D (so q, k, v may be views into one fused qkv projection, and the output may be
+// stored (B, T, H, D)).
 #pragma once
 
 #include <cstdint>
 
 namespace tandem::kernels {
 
+// Row t of head (b, h) of a (B, H, T, D) operand starts b * sb + h * sh + t * st elements after
+// the operand's base pointer; its D elements are contiguous.
+struct HeadLayout {
+  int64_t sb = 0, sh = 0, st = 0;
+};
+
+// A contiguous (B, H, T, D) operand.
+inline HeadLayout contiguous_heads(int64_t H, int64_t T, int64_t D) { return {H * T * D, T * D, D}; }
+
 struct AttentionShape {
   int64_t BH, T, S, D, Dv;  // batch*heads, query length, key length, q/k dim, v dim
   bool causal;
+  int64_t H = 1;            // heads per batch entry: head bh is (b, h) = (bh / H, bh % H)
+  // Operand layouts (forward: q, k, v, out; backward also dout, dq, dk, dv). lse is always a
+  // contiguous (BH, T) buffer.
+  HeadLayout q, k, v, out, dout, dq, dk, dv;
 };
 
 template <class T>

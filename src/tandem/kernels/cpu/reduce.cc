@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/row_math.h"
 
 namespace tandem::kernels {
 
@@ -51,6 +52,16 @@ Tensor kept_then_reduced(const Tensor& x, const std::vector<int64_t>& dims, int6
   return x.detach().permute(perm).contiguous();
 }
 
+// acc[j] += row[j] in Acc; f32 rows into f64 sums through the vectorised row kernel (the same sums).
+template <class Acc, class T>
+void add_row(Acc* acc, const T* row, int64_t n) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, double>) {
+    add_into_f64_f32(acc, row, n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+  }
+}
+
 }  // namespace
 
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DType out_dtype) {
@@ -69,7 +80,7 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DTyp
       std::vector<Acc> acc(static_cast<size_t>(O), Acc(0));
       for (int64_t r = 0; r < R; ++r) {
         const T* row = p + r * O;
-        for (int64_t j = 0; j < O; ++j) acc[j] += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+        add_row(acc.data(), row, O);
       }
       TANDEM_DISPATCH_FLOATING(out_dtype, "sum", [&] {
         auto* o = static_cast<scalar_t*>(out.data_ptr());

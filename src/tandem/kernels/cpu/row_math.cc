@@ -178,6 +178,45 @@ TANDEM_AVX512 void layer_norm_backward_row_avx512(const float* x, const float* g
   }
 }
 
+TANDEM_AVX512 void add_into_f64_avx512(double* dst, const float* src, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm512_storeu_pd(dst + j, _mm512_add_pd(_mm512_loadu_pd(dst + j), _mm512_cvtps_pd(_mm256_loadu_ps(src + j))));
+  for (; j < n; ++j) dst[j] += static_cast<double>(src[j]);
+}
+
+// GELU (tanh form) as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): one exp16 and one
+// division per 16 lanes (the auto-vectorised loop split the exp's clamp into three divisions).
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+TANDEM_AVX512 void gelu_tanh_avx512(const float* x, float* y, int64_t n) {
+  const __m512 m2k = _mm512_set1_ps(-2.0f * kGeluK), c = _mm512_set1_ps(kGeluC), one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(c, v), _mm512_mul_ps(v, v), v);  // v + c v^3
+    const __m512 e = exp16(_mm512_mul_ps(m2k, inner));
+    _mm512_mask_storeu_ps(y + j, m, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+  }
+}
+
+TANDEM_AVX512 void gelu_tanh_backward_avx512(const float* g, const float* x, float* gx, int64_t n) {
+  const __m512 m2k = _mm512_set1_ps(-2.0f * kGeluK), c = _mm512_set1_ps(kGeluC), one = _mm512_set1_ps(1.0f);
+  const __m512 k = _mm512_set1_ps(kGeluK), c3 = _mm512_set1_ps(3.0f * kGeluC), two = _mm512_set1_ps(2.0f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    const __m512 v2 = _mm512_mul_ps(v, v);
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(c, v), v2, v);
+    const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_mul_ps(m2k, inner))));
+    const __m512 du = _mm512_mul_ps(k, _mm512_fmadd_ps(c3, v2, one));                // u'
+    const __m512 t = _mm512_mul_ps(_mm512_mul_ps(two, v), _mm512_mul_ps(s, _mm512_sub_ps(one, s)));
+    const __m512 d = _mm512_fmadd_ps(t, du, s);                                        // s + 2 v s (1 - s) u'
+    _mm512_mask_storeu_ps(gx + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, g + j), d));
+  }
+}
+
 #undef TANDEM_AVX512
 
 }  // namespace
@@ -227,6 +266,11 @@ void add_into_f32(float* dst, const float* src, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
 }
 
+void add_into_f64_f32(double* dst, const float* src, int64_t n) {
+  if (use_avx512()) return add_into_f64_avx512(dst, src, n);
+  for (int64_t j = 0; j < n; ++j) dst[j] += static_cast<double>(src[j]);
+}
+
 void row_moments_f32(const float* x, int64_t n, double eps, double& mean, double& rstd) {
   if (n > 0 && use_avx512()) return row_moments_avx512(x, n, eps, mean, rstd);
   double s = 0;
@@ -274,6 +318,26 @@ void layer_norm_backward_row_f32(const float* x, const float* gy, float* gx, int
   for (int64_t j = 0; j < n; ++j) {
     const float xh = (x[j] - mean) * rstd, dxh = w ? gy[j] * w[j] : gy[j];
     gx[j] = rstd * (dxh - s1 - xh * s2);
+  }
+}
+
+void gelu_tanh_row_f32(const float* x, float* y, int64_t n) {
+  if (use_avx512()) return gelu_tanh_avx512(x, y, n);
+  for (int64_t j = 0; j < n; ++j) {
+    // 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation where tanh(u) is near -1.
+    const float v = x[j];
+    y[j] = v / (1.0f + exp_approx(-2.0f * kGeluK * (v + kGeluC * v * v * v)));
+  }
+}
+
+void gelu_tanh_backward_row_f32(const float* g, const float* x, float* gx, int64_t n) {
+  if (use_avx512()) return gelu_tanh_backward_avx512(g, x, gx, n);
+  for (int64_t j = 0; j < n; ++j) {
+    // With s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) u'.
+    const float v = x[j];
+    const float s = 1.0f / (1.0f + exp_approx(-2.0f * kGeluK * (v + kGeluC * v * v * v)));
+    const float du = kGeluK * (1.0f + 3.0f * kGeluC * v * v);
+    gx[j] = g[j] * (s + 2.0f * v * s * (1.0f - s) * du);
   }
 }
 

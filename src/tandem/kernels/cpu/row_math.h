@@ -24,6 +24,9 @@ float dot_f32(const float* a, const float* b, int64_t n);
 // dst[i] += src[i].
 void add_into_f32(float* dst, const float* src, int64_t n);
 
+// dst[i] += (double)src[i] (each lane's sum in f64, as the scalar loop).
+void add_into_f64_f32(double* dst, const float* src, int64_t n);
+
 // Layer norm of one row: mean and 1 / sqrt(biased variance + eps) (two passes, f32 partial sums
 // folded into f64 every 256 elements).
 void row_moments_f32(const float* x, int64_t n, double eps, double& mean, double& rstd);
@@ -35,5 +38,10 @@ void layer_norm_row_f32(const float* x, float* y, int64_t n, float mean, float r
 //   gx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  gw += gy * xhat,  gb += gy.
 void layer_norm_backward_row_f32(const float* x, const float* gy, float* gx, int64_t n, float mean, float rstd,
                                  const float* w, float* gw, float* gb);
+
+// GELU, tanh approximation, as x * sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3), and its
+// backward gx = g * (s + 2 x s (1 - s) u'), s = sigmoid(2u) (exp_approx: < 2e-7 relative).
+void gelu_tanh_row_f32(const float* x, float* y, int64_t n);
+void gelu_tanh_backward_row_f32(const float* g, const float* x, float* gx, int64_t n);
 
 }  // namespace tandem::kernels
