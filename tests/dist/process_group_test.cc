@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -336,6 +337,108 @@ TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
   EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
   EXPECT_TRUE(results[0].ok()) << results[0].describe();
   EXPECT_TRUE(results[2].ok()) << results[2].describe();
+}
+
+// The latency path: 4 KiB all_reduce on allocate()d buffers (2 ranks: in place, run on the
+// caller's thread). A killed rank is still an error naming it on the survivor within 2x the timeout.
+TEST(Spawn, KilledRankDuringSmallAllReducesIsAnErrorNamingIt) {
+  const auto timeout = 1000ms;
+  auto opts = spawn_options();
+  opts.stop_others_on_failure = false;
+  auto results = spawn_results(2, [&](int rank) {
+    InitOptions o;
+    o.timeout = timeout;
+    init_process_group(o);
+    auto pg = default_group();
+    auto mem = pg->allocate(4096);
+    Buffer b{mem.get(), 1024, DType::f32, kCPU};
+    for (int it = 0; it < 1000000; ++it) {
+      if (rank == 1 && it == 2000) raise(SIGKILL);
+      const auto t0 = Clock::now();
+      try {
+        pg->all_reduce(b)->wait();
+      } catch (const CommError& e) {
+        const auto waited = Clock::now() - t0;
+        const std::string m = e.what();
+        require(m.find("rank 1 (pid") != std::string::npos && m.find("died") != std::string::npos,
+                "the error does not name the dead rank: " + m);
+        require(m.find("all_reduce #") != std::string::npos, "the error does not name the collective: " + m);
+        require(waited < 2 * timeout, fmt::format("error after {} ms (limit {} ms)",
+                                                  std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+                                                  2 * timeout.count()));
+        return;
+      }
+    }
+    throw std::runtime_error("the loop finished without an error");
+  }, opts);
+  EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
+  EXPECT_TRUE(results[0].ok()) << results[0].describe();
+}
+
+// ---- Work ----
+
+class DescribedWork final : public Work {
+ public:
+  mutable int calls = 0;
+
+ protected:
+  std::string describe() const override {
+    ++calls;
+    return "test_op #7 (f32, 3)";
+  }
+};
+
+TEST(Work, CompletedWorkWaitsWithoutBlockingAndReportsSuccess) {
+  auto w = Work::completed("done op");
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_TRUE(w->is_success());
+  EXPECT_EQ(w->exception(), nullptr);
+  w->wait(0ms);  // already complete: no timeout even with a zero limit
+  EXPECT_EQ(w->description(), "done op");
+}
+
+TEST(Work, FailedWorkRethrowsItsErrorOnEveryWait) {
+  auto w = Work::failed(std::make_exception_ptr(CommError("boom")));
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_FALSE(w->is_success());
+  EXPECT_NE(w->exception(), nullptr);
+  EXPECT_THROW(w->wait(), CommError);
+  EXPECT_THROW(w->wait(1ms), CommError);
+}
+
+TEST(Work, DescriptionIsBuiltLazilyOnceAndNamesTheOpOnTimeout) {
+  DescribedWork w;
+  EXPECT_EQ(w.calls, 0);
+  EXPECT_FALSE(w.is_completed());
+  EXPECT_EQ(w.exception(), nullptr);
+  try {
+    w.wait(20ms);
+    ADD_FAILURE() << "wait on an unfinished Work returned";
+  } catch (const Timeout& e) {
+    EXPECT_NE(std::string(e.what()).find("test_op #7 (f32, 3): Work::wait timed out after 20 ms"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(w.description(), "test_op #7 (f32, 3)");
+  EXPECT_EQ(w.calls, 1);
+}
+
+TEST(Work, FinishOnAnotherThreadWakesTheWaiterAndOnlyTheFirstFinishCounts) {
+  auto w = std::make_shared<Work>("op");
+  std::thread t([w] {
+    std::this_thread::sleep_for(20ms);
+    w->finish(std::make_exception_ptr(CommError("first")));
+    w->finish();  // ignored
+  });
+  const auto t0 = Clock::now();
+  try {
+    w->wait(10s);
+    ADD_FAILURE() << "the error of the first finish was lost";
+  } catch (const CommError& e) {
+    EXPECT_STREQ(e.what(), "first");
+  }
+  EXPECT_LT(Clock::now() - t0, 5s);
+  t.join();
+  EXPECT_FALSE(w->is_success());
 }
 
 }  // namespace

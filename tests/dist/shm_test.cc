@@ -10,7 +10,9 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -272,6 +274,68 @@ TEST_P(ShmSweep, EveryCollectiveEveryDtypeMatchesSerialReference) {
   run_ranks(GetParam(), [](ProcessGroup& pg) { sweep(pg); });
 }
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmSweep, ::testing::Values(1, 2, 3, 4));
+
+// Sets an environment variable for one test (rank 0 reads it when the group is made).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* k, const char* v) : k_(k) {
+    if (const char* old = std::getenv(k)) old_ = old;
+    setenv(k, v, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) setenv(k_, old_->c_str(), 1);
+    else unsetenv(k_);
+  }
+
+ private:
+  const char* k_;
+  std::optional<std::string> old_;
+};
+
+// Small all_reduce has two algorithms; rank 0 picks one for the group (push when there are no
+// more ranks than CPUs, slots otherwise), so ShmSweep runs each world size on one of them. Here
+// each runs where it is not the default on this machine's two CPUs (2 ranks on slots; 3 and 4 on
+// push), on heap and non-heap buffers alike.
+class ShmSmallAllReduce : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
+
+TEST_P(ShmSmallAllReduce, SweepMatchesSerialReference) {
+  ScopedEnv env("TANDEM_SHM_SMALL_ALLREDUCE", std::get<1>(GetParam()));
+  run_ranks(std::get<0>(GetParam()), [](ProcessGroup& pg) { sweep(pg); });
+}
+INSTANTIATE_TEST_SUITE_P(Algorithms, ShmSmallAllReduce,
+                         ::testing::Values(std::make_tuple(2, "slot"), std::make_tuple(3, "push"),
+                                           std::make_tuple(4, "push")));
+
+TEST(Shm, UnknownSmallAllReduceAlgorithmIsNamed) {
+  ScopedEnv env("TANDEM_SHM_SMALL_ALLREDUCE", "ring");
+  try {
+    run_ranks(1, [](ProcessGroup&) {});
+    ADD_FAILURE() << "a group was made with TANDEM_SHM_SMALL_ALLREDUCE=ring";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("TANDEM_SHM_SMALL_ALLREDUCE='ring'"), std::string::npos) << e.what();
+  }
+}
+
+// The Work's description is built on demand (not per call) but still names the op, its
+// sequence number and its fingerprint; point-to-point ops name the peer and tag.
+TEST(Shm, WorkDescriptionsNameTheOpSequenceAndFingerprint) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    std::vector<float> x(16, 1.0f);
+    Buffer b{x.data(), 16, DType::f32, kCPU};
+    auto w0 = pg.all_reduce(b, ReduceOp::MAX);
+    auto w1 = pg.broadcast(b, 1);
+    w0->wait();
+    w1->wait();
+    auto w2 = pg.rank() == 0 ? pg.send(b, 1, 5) : pg.recv(b, 0, 5);
+    w2->wait();
+    const std::string p2p = pg.rank() == 0 ? "shm send to rank 1 (tag 5, f32, 16)" : "shm recv from rank 0 (tag 5, f32, 16)";
+    if (w0->description() != "shm all_reduce #0 (f32, 16, MAX)" || w1->description() != "shm broadcast #1 (f32, 16, root 1)" ||
+        w2->description() != p2p) {
+      throw std::runtime_error(fmt::format("descriptions: '{}', '{}', '{}'", w0->description(), w1->description(),
+                                           w2->description()));
+    }
+  });
+}
 
 // 64 MiB all_reduce, f32 and bf16, on 2 and 4 ranks: many chunks per slice, exact sums.
 class ShmLarge : public ::testing::TestWithParam<std::tuple<int, DType>> {};

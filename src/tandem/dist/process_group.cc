@@ -28,31 +28,33 @@ Buffer as_buffer(const Tensor& t) {
 
 // ---- Work ----
 
-Work::Work(std::string description) : description_(std::move(description)) {}
+Work::Work(std::string description) : described_(!description.empty()), description_(std::move(description)) {}
 
-bool Work::is_completed() const {
-  std::lock_guard lock(mu_);
-  return done_;
-}
-
-bool Work::is_success() const {
-  std::lock_guard lock(mu_);
-  return done_ && !error_;
-}
-
-std::exception_ptr Work::exception() const {
-  std::lock_guard lock(mu_);
-  return error_;
+const std::string& Work::description() const {
+  if (!described_.load(std::memory_order_acquire)) {
+    std::lock_guard lock(mu_);
+    if (!described_.load(std::memory_order_relaxed)) {
+      description_ = describe();
+      described_.store(true, std::memory_order_release);
+    }
+  }
+  return description_;
 }
 
 void Work::wait() { wait(default_wait_); }
 
 void Work::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
-    throw Timeout(fmt::format("{}: Work::wait timed out after {} ms; the collective has not finished "
-                              "(are all ranks issuing the same collectives?)",
-                              description_.empty() ? "collective" : description_, timeout.count()));
+  // Completed already (the common case for small collectives run on the caller's thread): no
+  // lock, no clock.
+  if (!done_.load(std::memory_order_acquire)) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return done_.load(std::memory_order_relaxed); })) {
+      lock.unlock();
+      const std::string& what = description();
+      throw Timeout(fmt::format("{}: Work::wait timed out after {} ms; the collective has not finished "
+                                "(are all ranks issuing the same collectives?)",
+                                what.empty() ? "collective" : what, timeout.count()));
+    }
   }
   if (error_) std::rethrow_exception(error_);
 }
@@ -60,9 +62,9 @@ void Work::wait(std::chrono::milliseconds timeout) {
 void Work::finish(std::exception_ptr error) {
   {
     std::lock_guard lock(mu_);
-    if (done_) return;
-    done_ = true;
+    if (done_.load(std::memory_order_relaxed)) return;
     error_ = std::move(error);
+    done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
 }

@@ -4,6 +4,7 @@
 // with an error naming the op, its sequence number, the ranks that did not arrive and the cause.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -44,26 +45,31 @@ Buffer as_buffer(const Tensor& t);
 // Blocking: only wait() blocks. Throws: wait() rethrows the collective's error (CommError,
 // Timeout, ValueError, ...). Completion: the collective's output buffers are written and may be
 // read once wait() returned or is_completed() is true; on failure their contents are unspecified.
+// Thread safety: every method may be called from any thread. A completed Work answers
+// is_completed(), is_success() and wait() without taking a lock or reading a clock.
 class Work {
  public:
-  // `description` names the op for errors, e.g. "all_reduce #812 (f32, 4096, SUM)".
+  // `description` names the op for errors, e.g. "all_reduce #812 (f32, 4096, SUM)". Backends
+  // that issue many small collectives leave it empty and override describe(), so the text is
+  // only built when an error or a caller asks for it.
   explicit Work(std::string description = {});
   virtual ~Work() = default;
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 
   // Whether the collective finished, successfully or not. Never blocks.
-  bool is_completed() const;
+  bool is_completed() const { return done_.load(std::memory_order_acquire); }
   // Whether it finished without an error. Never blocks.
-  bool is_success() const;
-  // The error of a failed collective, or null.
-  std::exception_ptr exception() const;
+  bool is_success() const { return is_completed() && !error_; }
+  // The error of a failed collective, or null (also while it runs).
+  std::exception_ptr exception() const { return is_completed() ? error_ : nullptr; }
   // Blocks until the collective finished; rethrows its error. With a timeout: throws Timeout
   // naming the op when it has not finished by then (the collective itself keeps running and
   // fails on its own timeout). Without: waits at most the group's timeout plus a grace period.
   void wait();
   void wait(std::chrono::milliseconds timeout);
-  const std::string& description() const { return description_; }
+  // The op's name for messages; built on first use (then fixed).
+  const std::string& description() const;
 
   // For backends: complete the work (once). finish(nullptr) is success.
   void finish(std::exception_ptr error = nullptr);
@@ -74,12 +80,19 @@ class Work {
   static std::shared_ptr<Work> completed(std::string description = {});
   static std::shared_ptr<Work> failed(std::exception_ptr error, std::string description = {});
 
+ protected:
+  // The description when none was given to the constructor; called at most once, under the
+  // Work's lock, by the first description() call.
+  virtual std::string describe() const { return {}; }
+
  private:
-  std::string description_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;
+  // error_ is written once, before done_ is set (release); read only after done_ is seen (acquire).
+  std::atomic<bool> done_{false};
   std::exception_ptr error_;
+  mutable std::atomic<bool> described_{false};
+  mutable std::string description_;
   std::chrono::milliseconds default_wait_{Store::kDefaultTimeout + std::chrono::seconds(60)};
 };
 

@@ -6,28 +6,35 @@
 // every rank maps every segment and each creator unlinks its own as soon as all ranks mapped it,
 // so nothing is left in /dev/shm after a crash.
 //
-// Protocol. Rank r publishes progress[r] = (seq << 32) | step, monotonically: step 1 "entered
-// collective #seq, its descriptor (fingerprint + where its input lies) is readable", steps 2.. "my
-// chunk k is reduced", kFinal "done with #seq, my buffers may be reused". Waiting for a peer is
-// spin-then-futex on the peer's epoch word (bumped by every publish), in slices of at most 10 ms
-// so the group's deadline, a dead peer (pid gone or zombie), a peer that left the group and an
-// abort raised by another rank are all noticed.
+// Protocol. Rank r publishes progress[r] = (seq << 32) | step, monotonically: step 0 "entering
+// #seq" (done with #seq-1), step 1 "entered collective #seq, its descriptor (fingerprint + where
+// its input lies) is readable", steps 2.. "my chunk k is reduced", kFinal "done with #seq, my
+// buffers may be reused". The descriptor sits in the progress word's cache line (a seqlock on the
+// step-0 store) and in a ring of recent ones for diagnosis. Waiting for a peer is spin-then-futex
+// on the peer's epoch word (bumped by every publish), in slices of at most 10 ms so the group's
+// deadline, a dead peer (pid gone or zombie), a peer that left the group and an abort raised by
+// another rank are all noticed. A wait already satisfied by the last value seen reads nothing
+// shared, and no clock is read unless a wait has to spin.
 //
-// all_reduce. Small messages (<= TANDEM_SHM_SMALL_BYTES, default 16 KiB): every rank copies its
-// input into its slot and reduces all slots in rank order (one synchronisation). Large: a
-// reduce-scatter + all-gather over shared memory in which rank r owns 1/N of the elements and
-// reads that slice of every rank's buffer in place, chunk by chunk (TANDEM_SHM_CHUNK_BYTES,
-// 256 KiB). Default (TANDEM_SHM_ALLREDUCE=push): the all-gather is fused into the reduction, each
-// reduced chunk (still in L2) is written straight into every peer's buffer, one barrier at the
-// end; this touches about 2x the buffer per rank instead of 2.5x. TANDEM_SHM_ALLREDUCE=pull: the
-// owner publishes each reduced chunk and the others copy it as soon as it is ready (reduce and
-// copy overlap), starting at their ring neighbour. Buffers from allocate() are read in place
-// (zero-copy); others go through heap scratch (one copy in, one out). Inputs are always combined
-// in rank order, so every rank gets bit-identical results.
+// all_reduce. A reduce-scatter + all-gather over shared memory in which rank r owns 1/N of the
+// elements and reads that slice of every rank's input in place, chunk by chunk
+// (TANDEM_SHM_CHUNK_BYTES, 256 KiB). Default (TANDEM_SHM_ALLREDUCE=push): the all-gather is fused
+// into the reduction, each reduced chunk (still in L2) is written straight into every peer's
+// buffer, one barrier at the end; this touches about 2x the buffer per rank instead of 2.5x.
+// TANDEM_SHM_ALLREDUCE=pull: the owner publishes each reduced chunk and the others copy it as soon
+// as it is ready (reduce and copy overlap), starting at their ring neighbour. Buffers from
+// allocate() are read and written in place (zero-copy); others go through a slot (<= 64 KiB) or
+// heap scratch (one copy in, one out). Small messages (<= TANDEM_SHM_SMALL_BYTES, default 16 KiB)
+// push too, in one chunk (two barriers; in place it moves about half the cache lines of the slot
+// scheme), unless there are more ranks than CPUs, where each barrier costs context switches: then
+// every rank copies its input into its slot and reduces all slots in rank order (one barrier).
+// TANDEM_SHM_SMALL_ALLREDUCE=push|slot overrides; rank 0's choice holds for the group. Inputs are
+// always combined in rank order, so every rank gets bit-identical results.
 //
 // Threads. One progress thread per group runs queued work in issue order. A small operation
 // issued while nothing is queued runs at once on the caller's thread (latency: no thread
-// hand-off); TANDEM_SHM_INLINE_BYTES=0 turns that off.
+// hand-off); TANDEM_SHM_INLINE_BYTES=0 turns that off. Its Work is complete when returned and its
+// description is only built if someone asks (errors, Work::description()).
 #include <sched.h>
 #include <unistd.h>
 
@@ -135,10 +142,24 @@ struct Header {
   uint64_t magic;
   int32_t size;
   std::atomic<int32_t> abort_rank;  // 0: none, else rank + 1 of the first rank that failed
+  int32_t small_push;               // rank 0's choice for small all_reduce (every rank follows it)
 };
 
+// The call a rank is in, packed into one word: op | dtype << 8 | redop << 16 | root << 32.
+uint64_t pack_call(const Desc& d) {
+  return static_cast<uint64_t>(d.op) | static_cast<uint64_t>(d.dtype) << 8 | static_cast<uint64_t>(d.redop) << 16 |
+         static_cast<uint64_t>(static_cast<uint32_t>(d.root)) << 32;
+}
+
 struct alignas(64) RankCtl {
+  // One cache line that peers poll: the progress word and the fingerprint and input location of
+  // the collective it names, so a peer that sees us enter reads our descriptor without a second
+  // cache miss. Seqlock: enter() stores progress (seq, 0) before rewriting cur_*, so a reader
+  // that read cur_* and then still sees progress naming seq (step >= 1) read seq's values.
   alignas(64) std::atomic<uint64_t> progress;
+  std::atomic<uint64_t> cur_call;   // pack_call()
+  std::atomic<int64_t> cur_count;
+  std::atomic<uint64_t> cur_code;
   alignas(64) std::atomic<uint32_t> epoch;  // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;
   alignas(64) std::atomic<int32_t> pid;
@@ -220,6 +241,26 @@ struct Task {
   }
 };
 
+// A Work whose description ("shm all_reduce #12 (f32, 4096, SUM)") is built only when an error
+// message or a caller asks for it: not on the latency path of every small collective.
+class ShmWork final : public Work {
+ public:
+  ShmWork(const Desc& d, int peer, int tag) : desc_(d), peer_(peer), tag_(tag) {}
+
+ protected:
+  std::string describe() const override {
+    if (desc_.op == Op::send || desc_.op == Op::recv) {
+      return fmt::format("shm {} {} rank {} (tag {}, {}, {})", op_name(desc_.op), desc_.op == Op::send ? "to" : "from",
+                         peer_, tag_, short_dtype_name(desc_.dtype), desc_.count);
+    }
+    return desc_.str("shm ");
+  }
+
+ private:
+  Desc desc_;
+  int peer_, tag_;
+};
+
 class ShmGroup final : public ProcessGroup {
  public:
   ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options);
@@ -269,8 +310,12 @@ class ShmGroup final : public ProcessGroup {
   struct Ctx {
     const Task* task;
     Desc desc;
-    const std::string& what;  // "shm all_reduce #12 (f32, 4096, SUM)", the Work's description
-    Clock::time_point deadline;
+    // The deadline is set by the first wait that has to spin (a clock read per collective only
+    // when a wait is not already satisfied): the group's timeout from then on.
+    Clock::time_point deadline{};
+    bool has_deadline = false;
+    // "shm all_reduce #12 (f32, 4096, SUM)", the Work's description (built on first use).
+    const std::string& what() const { return task->work->description(); }
   };
   struct Exposure {
     uint64_t code = 0;
@@ -278,14 +323,22 @@ class ShmGroup final : public ProcessGroup {
     std::optional<size_t> scratch;
     bool trailing = false;  // peers read our heap: wait for them before returning
   };
-  Exposure expose(Ctx& c, const void* src, size_t nbytes, bool copy_in);
+  // Where peers find our input: our slot (small), our heap buffer in place (when `src` lies in
+  // it and nbytes > slot size, or always with `in_place`), or heap scratch.
+  Exposure expose(Ctx& c, const void* src, size_t nbytes, bool copy_in, bool in_place = false);
   void release(Exposure& e) noexcept;
+  struct ExposureGuard {  // RAII for an exposure's scratch
+    ShmGroup* g;
+    Exposure* e;
+    ~ExposureGuard() { g->release(*e); }
+  };
   std::optional<size_t> scratch_alloc(Ctx& c, size_t nbytes);
   void enter(Ctx& c, uint64_t code);
   void publish(int64_t seq, uint32_t step);
   void publish_quiet(int64_t seq, uint32_t step);  // no wake-up: for steps nobody waits on
   void wait_progress(Ctx& c, int p, int64_t seq, uint32_t step, const char* what);
-  void arrived(Ctx& c, int p);  // p entered c's collective, with a matching fingerprint
+  // p entered c's collective, with a matching fingerprint; returns where p's input lies.
+  uint64_t arrived(Ctx& c, int p);
   void wait_all_final(Ctx& c);
   template <class Pred>
   void wait_until(Ctx& c, int p, Pred pred, const std::function<std::string()>& what);
@@ -318,6 +371,10 @@ class ShmGroup final : public ProcessGroup {
   int64_t spin_budget_ns_;  // what it spins now (adaptive)
   bool oversubscribed_;
   bool push_;  // all_reduce: fused reduce + write to peers (TANDEM_SHM_ALLREDUCE=push) or pull
+  bool small_push_;  // small all_reduce: push too (2 barriers, in place) rather than slots (1)
+  // Last progress value read from each rank: waits on a step already seen skip the shared line.
+  // Touched only by the thread running the current operation (busy_ hands it over under q_mu_).
+  std::vector<uint64_t> seen_;
 
   mutable std::mutex q_mu_;
   std::condition_variable q_cv_;
@@ -366,6 +423,18 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
     h->magic = kMagic;
     h->size = size;
     h->abort_rank.store(0);
+    // Small all_reduce: push (in place, two barriers, about half the cache-line traffic of slots)
+    // unless there are more ranks than CPUs, where every extra barrier costs context switches.
+    // Rank 0 decides for the group, so every rank runs the same algorithm.
+    {
+      const char* a = std::getenv("TANDEM_SHM_SMALL_ALLREDUCE");
+      const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+      const std::string algo = a != nullptr && *a != '\0' ? a : (cpus <= 0 || size <= cpus ? "push" : "slot");
+      TANDEM_CHECK(algo == "push" || algo == "slot", ValueError,
+                   "TANDEM_SHM_SMALL_ALLREDUCE='{}' must be push (in place, reduce + write to peers) or slot "
+                   "(every rank copies its input to a slot and reduces all slots)", algo);
+      h->small_push = algo == "push" ? 1 : 0;
+    }
     store_->set("shm/ctl", ctl_seg_->name());
   }
   heap_ = std::make_shared<Heap>(Segment::create(fmt::format("/tandem-{}-heap{}", tag, rank), heap_bytes));
@@ -397,6 +466,8 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
     TANDEM_CHECK(ctl_seg_->size() >= layout_.total && hdr()->magic == kMagic && hdr()->size == size, CommError,
                  "shm backend: control segment {} does not match a group of {} ranks", ctl_seg_->name(), size);
   }
+  small_push_ = hdr()->small_push != 0;
+  seen_.assign(static_cast<size_t>(size), 0);
   heaps_.resize(size);
   for (int r = 0; r < size; ++r) {
     heaps_[r] = r == rank ? heap_->segment() : Segment::open(to_string(store_->get(fmt::format("shm/heap/{}", r))));
@@ -435,11 +506,14 @@ std::shared_ptr<Work> ShmGroup::issue(Task t, size_t bytes) {
   std::unique_lock lock(q_mu_);
   const bool collective = t.op != Op::send && t.op != Op::recv;
   if (collective) t.seq = next_seq_++;
-  t.work = std::make_shared<Work>(
-      collective ? t.desc().str("shm ")
-                 : fmt::format("shm {} {} rank {} (tag {}, {}, {})", op_name(t.op), t.op == Op::send ? "to" : "from",
-                               t.peer, t.tag, short_dtype_name(t.a.dtype), t.a.count));
-  const std::string& what = t.work->description();
+  {
+    Desc d = t.desc();
+    if (!collective) {
+      d.dtype = t.a.dtype;
+      d.count = t.a.count;
+    }
+    t.work = std::make_shared<ShmWork>(d, t.peer, t.tag);
+  }
   t.work->set_default_wait(timeout() * 2 + 10s);
   auto work = t.work;
   if (broken_) {
@@ -448,7 +522,7 @@ std::shared_ptr<Work> ShmGroup::issue(Task t, size_t bytes) {
     } catch (const std::exception& e) {
       work->finish(std::make_exception_ptr(
           CommError(fmt::format("{}: the group failed earlier and cannot be used; create a new group. "
-                                "The first failure: {}", what, e.what()))));
+                                "The first failure: {}", work->description(), e.what()))));
     }
     return work;
   }
@@ -519,7 +593,7 @@ void ShmGroup::execute(Task& t) noexcept {
 
 void ShmGroup::run(Task& t) {
   reclaim_sends();
-  Ctx c{&t, t.desc(), t.work->description(), Clock::now() + timeout()};
+  Ctx c{&t, t.desc()};
   if (t.seq >= 0 && t.op != Op::barrier && c.desc.count == 0) {
     // Nothing to move; still numbered and announced so that later collectives line up.
     enter(c, 0);
@@ -560,9 +634,22 @@ void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::str
   if (pred()) return;
   // Spin, then block. The spin budget adapts: it grows while peers keep arriving within it and
   // shrinks when we end up blocking anyway (oversubscribed or loaded cores), where spinning only
-  // takes the core from the rank we wait for. After 2 us of pause-spinning we yield between checks.
+  // takes the core from the rank we wait for. The first 16 pauses (well under a microsecond on
+  // current cores: a peer a step behind usually lands here) read no clock; after 2 us of
+  // pause-spinning we yield between checks.
+  for (int k = 0; k < 16; ++k) {
+    cpu_relax();
+    if (pred()) {
+      spin_budget_ns_ = std::min<int64_t>(spin_ns_, spin_budget_ns_ * 2 + 1000);
+      return;
+    }
+  }
+  const auto t0 = Clock::now();
+  if (!c.has_deadline) {
+    c.deadline = t0 + timeout();
+    c.has_deadline = true;
+  }
   {
-    const auto t0 = Clock::now();
     const auto budget = std::chrono::nanoseconds(spin_budget_ns_);
     for (int i = 0;; ++i) {
       for (int k = 0; k < 16; ++k) {
@@ -600,7 +687,7 @@ void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::str
       next_check = after + 50ms;
     }
     if (after >= c.deadline) {
-      fail(c, fmt::format("{} timed out after {} ms waiting for {}. {}", c.what, timeout().count(), what(),
+      fail(c, fmt::format("{} timed out after {} ms waiting for {}. {}", c.what(), timeout().count(), what(),
                           diagnosis(c)),
            true);
     }
@@ -611,7 +698,7 @@ void ShmGroup::check_peers(Ctx& c, int waiting_for, const std::function<std::str
   const int aborted = hdr()->abort_rank.load();
   if (aborted != 0 && aborted - 1 != rank()) {
     const int a = aborted - 1;
-    throw CommError(fmt::format("{} failed: rank {} aborted the group: {}", c.what, a,
+    throw CommError(fmt::format("{} failed: rank {} aborted the group: {}", c.what(), a,
                                 std::string(ctl(a).error, strnlen(ctl(a).error, sizeof(ctl(a).error)))));
   }
   // The peer we wait for first, then everyone: a dead rank anywhere dooms the collective.
@@ -621,13 +708,13 @@ void ShmGroup::check_peers(Ctx& c, int waiting_for, const std::function<std::str
     RankCtl& pc = ctl(p);
     const pid_t pid = pc.pid.load();
     if (!process_alive(pid)) {
-      fail(c, fmt::format("{} failed: rank {} (pid {}) died while rank {} waited for {}. {}", c.what, p,
+      fail(c, fmt::format("{} failed: rank {} (pid {}) died while rank {} waited for {}. {}", c.what(), p,
                           static_cast<long>(pid), rank(), what(), diagnosis(c, "Last seen")),
            false);
     }
     if (pc.state.load() == 1) {
       fail(c, fmt::format("{} failed: rank {} left the group (destroyed it) while rank {} waited for {}. {}",
-                          c.what, p, rank(), what(), diagnosis(c, "Last seen")),
+                          c.what(), p, rank(), what(), diagnosis(c, "Last seen")),
            false);
     }
   }
@@ -682,21 +769,40 @@ std::string ShmGroup::diagnosis(Ctx& c, const char* label) const {
 
 void ShmGroup::wait_progress(Ctx& c, int p, int64_t seq, uint32_t step, const char* what) {
   const uint64_t target = (static_cast<uint64_t>(seq) << 32) | step;
+  uint64_t& seen = seen_[static_cast<size_t>(p)];
+  if (seen >= target) return;  // progress is monotonic: no need to touch p's cache line
   std::atomic<uint64_t>& prog = ctl(p).progress;
-  if (prog.load(std::memory_order_acquire) >= target) return;  // before building the closures
-  wait_until(c, p, [&] { return prog.load(std::memory_order_acquire) >= target; },
+  seen = prog.load(std::memory_order_acquire);
+  if (seen >= target) return;  // before building the closures
+  wait_until(c, p, [&] { return (seen = prog.load(std::memory_order_acquire)) >= target; },
              [&] { return fmt::format("rank {} ({})", p, what); });
 }
 
-void ShmGroup::arrived(Ctx& c, int p) {
-  wait_progress(c, p, c.desc.seq, 1, "to enter the collective");
-  const Desc d = ctl(p).recent[c.desc.seq % kRecent];
-  if (d.seq != c.desc.seq || !d.same_call(c.desc)) {
+uint64_t ShmGroup::arrived(Ctx& c, int p) {
+  const int64_t seq = c.desc.seq;
+  wait_progress(c, p, seq, 1, "to enter the collective");
+  // Fast path: p's descriptor from the progress line we just read (seqlock, see RankCtl).
+  RankCtl& pc = ctl(p);
+  if (static_cast<int64_t>(seen_[static_cast<size_t>(p)] >> 32) == seq) {
+    const uint64_t call = pc.cur_call.load(std::memory_order_relaxed);
+    const int64_t count = pc.cur_count.load(std::memory_order_relaxed);
+    const uint64_t code = pc.cur_code.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const uint64_t again = pc.progress.load(std::memory_order_relaxed);
+    if (static_cast<int64_t>(again >> 32) == seq) {
+      Desc mine = c.desc;
+      if (call == pack_call(mine) && (count == mine.count || mine.op == Op::barrier)) return code;
+    }
+  }
+  // p moved on already (or does not match): its descriptor from the ring of recent ones.
+  const Desc d = pc.recent[seq % kRecent];
+  if (d.seq != seq || !d.same_call(c.desc)) {
     fail(c, fmt::format("{}: collective mismatch at #{}: rank {} called {} while rank {} called {}; every rank "
                         "must issue the same collectives in the same order with the same dtype, count and root",
-                        c.what, c.desc.seq, p, d.str(), rank(), c.desc.str()),
+                        c.what(), seq, p, d.str(), rank(), c.desc.str()),
          false);
   }
+  return d.code;
 }
 
 void ShmGroup::wait_all_final(Ctx& c) {
@@ -717,7 +823,15 @@ void ShmGroup::enter(Ctx& c, uint64_t code) {
   }
   Desc d = c.desc;
   d.code = code;
-  ctl(rank()).recent[d.seq % kRecent] = d;
+  RankCtl& mine = ctl(rank());
+  // Seqlock write of the descriptor in the progress line: (seq, 0) first, so a reader that
+  // catches the new values also sees that progress moved on (and falls back to recent[]).
+  mine.progress.store(static_cast<uint64_t>(d.seq) << 32, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  mine.cur_call.store(pack_call(d), std::memory_order_relaxed);
+  mine.cur_count.store(d.count, std::memory_order_relaxed);
+  mine.cur_code.store(code, std::memory_order_relaxed);
+  mine.recent[d.seq % kRecent] = d;
   publish(d.seq, 1);
 }
 
@@ -726,14 +840,22 @@ std::optional<size_t> ShmGroup::scratch_alloc(Ctx& c, size_t nbytes) {
   if (!off) {
     fail(c, fmt::format("{}: no room for {} bytes of scratch in the shm heap ({} bytes); raise "
                         "TANDEM_SHM_HEAP_BYTES or free allocate()d buffers",
-                        c.what, nbytes, heap_->segment()->size()),
+                        c.what(), nbytes, heap_->segment()->size()),
          false);
   }
   return off;
 }
 
-ShmGroup::Exposure ShmGroup::expose(Ctx& c, const void* src, size_t nbytes, bool copy_in) {
+ShmGroup::Exposure ShmGroup::expose(Ctx& c, const void* src, size_t nbytes, bool copy_in, bool in_place) {
   Exposure e;
+  if (in_place) {
+    if (auto off = heap_->offset_of(src, nbytes)) {
+      e.trailing = true;
+      e.code = *off;
+      e.ptr = heap_->base() + *off;
+      return e;
+    }
+  }
   if (nbytes <= kSlotBytes) {
     // Our slot of this parity was last read in #seq-2; a peer that entered #seq-1 is done with it.
     if (c.desc.seq >= 1) {
@@ -765,12 +887,6 @@ void ShmGroup::release(Exposure& e) noexcept {
   e.scratch.reset();
 }
 
-// RAII for an exposure's scratch.
-struct ExposureGuard {
-  std::function<void()> fn;
-  ~ExposureGuard() { fn(); }
-};
-
 // ---- collectives ----
 
 void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
@@ -779,11 +895,17 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
   const size_t es = element_size(buf.dtype);
   const size_t nbytes = buf.nbytes();
   if (buf.count == 0) return;
-  // The inputs' pointers, on the stack for up to 8 ranks (no allocation on the latency path).
+  // Per-rank pointers and input locations, on the stack for up to 8 ranks (no allocation on the
+  // latency path).
   const void* ins_small[8];
+  uint64_t codes_small[8];
   std::vector<const void*> ins_heap(n > 8 ? n : 0);
+  std::vector<uint64_t> codes_heap(n > 8 ? n : 0);
   const void** ins = n > 8 ? ins_heap.data() : ins_small;
-  if (nbytes <= small_bytes_) {
+  uint64_t* codes = n > 8 ? codes_heap.data() : codes_small;
+  const bool small = nbytes <= small_bytes_;
+  if (small && !(small_push_ && root < 0)) {
+    // Slots: one synchronisation (every rank copies its input to its slot, then reduces all slots).
     Exposure e = expose(c, buf.data, nbytes, true);
     enter(c, e.code);
     for (int i = 1; i < n; ++i) arrived(c, (me + i) % n);
@@ -798,12 +920,16 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
     publish_quiet(seq, kFinal);
     return;
   }
-  Exposure e = expose(c, buf.data, nbytes, true);
-  ExposureGuard guard{[&] { release(e); }};
+  // In place when the buffer is ours to share (allocate()): peers read and write it directly.
+  // Otherwise a slot (small) or heap scratch holds a copy; the result is copied back at the end.
+  Exposure e = expose(c, buf.data, nbytes, true, /*in_place=*/true);
+  ExposureGuard guard{this, &e};
   enter(c, e.code);
-  for (int i = 1; i < n; ++i) arrived(c, (me + i) % n);
-  std::vector<uint64_t> codes(n);
-  for (int p = 0; p < n; ++p) codes[p] = ctl(p).recent[seq % kRecent].code;
+  codes[me] = e.code;
+  for (int i = 1; i < n; ++i) {
+    const int p = (me + i) % n;
+    codes[p] = arrived(c, p);
+  }
   // Slices of ~count/n elements, each a multiple of 64 bytes; chunks of chunk_bytes_.
   const int64_t align = std::max<int64_t>(1, 64 / static_cast<int64_t>(es));
   const int64_t per = (buf.count + n - 1) / n;
@@ -813,10 +939,12 @@ void ShmGroup::do_all_reduce(Ctx& c, Buffer buf, ReduceOp op, int root) {
     const int64_t lo = std::min<int64_t>(buf.count, p * slice);
     return std::pair<int64_t, int64_t>(lo, std::min<int64_t>(buf.count, lo + slice));
   };
-  if (root < 0 && push_) {
-    // Fused: reduce our slice chunk by chunk (rank order) into our buffer and write each reduced
-    // chunk straight into every peer's buffer (nobody else reads or writes that slice), so
-    // there is no separate all-gather pass. One barrier at the end.
+  if (root < 0 && (push_ || small)) {
+    // Push: reduce our slice chunk by chunk (rank order) into our exposure and write each reduced
+    // chunk straight into every peer's exposure (nobody else reads or writes that slice), so
+    // there is no separate all-gather pass. One barrier at the end: after it our exposure holds
+    // the whole result and nobody touches it any more. Every element is combined by one rank,
+    // in rank order, so all ranks get the same bits.
     auto [lo, hi] = slice_of(me);
     for (int64_t b = lo; b < hi; b += chunk) {
       const int64_t m = std::min(chunk, hi - b);
@@ -872,7 +1000,7 @@ void ShmGroup::do_broadcast(Ctx& c, Buffer buf, int root) {
   if (buf.count == 0) return;
   if (rank() == root) {
     Exposure e = expose(c, buf.data, nbytes, true);
-    ExposureGuard guard{[&] { release(e); }};
+    ExposureGuard guard{this, &e};
     enter(c, e.code);
     publish(seq, kFinal);
     if (e.trailing) wait_all_final(c);
@@ -891,7 +1019,7 @@ void ShmGroup::do_all_gather(Ctx& c, const std::vector<Buffer>& outs, Buffer in)
   const size_t nbytes = in.nbytes();
   if (in.count == 0) return;
   Exposure e = expose(c, in.data, nbytes, true);
-  ExposureGuard guard{[&] { release(e); }};
+  ExposureGuard guard{this, &e};
   enter(c, e.code);
   std::memcpy(outs[me].data, in.data, nbytes);
   for (int i = 1; i < n; ++i) {
@@ -908,7 +1036,7 @@ void ShmGroup::do_reduce_scatter(Ctx& c, Buffer out, Buffer in, ReduceOp op) {
   const int64_t seq = c.desc.seq;
   if (out.count == 0) return;
   Exposure e = expose(c, in.data, in.nbytes(), true);
-  ExposureGuard guard{[&] { release(e); }};
+  ExposureGuard guard{this, &e};
   enter(c, e.code);
   for (int i = 1; i < n; ++i) arrived(c, (me + i) % n);
   std::vector<const void*> ins(n);
@@ -928,7 +1056,7 @@ void ShmGroup::do_gather(Ctx& c, Buffer out, Buffer in, int root) {
   if (in.count == 0) return;
   if (me != root) {
     Exposure e = expose(c, in.data, nbytes, true);
-    ExposureGuard guard{[&] { release(e); }};
+    ExposureGuard guard{this, &e};
     enter(c, e.code);
     publish(seq, kFinal);
     if (e.trailing) wait_progress(c, root, seq, kFinal, "to finish reading this rank's buffer");
@@ -951,7 +1079,7 @@ void ShmGroup::do_scatter(Ctx& c, Buffer out, Buffer in, int root) {
   if (out.count == 0) return;
   if (rank() == root) {
     Exposure e = expose(c, in.data, in.nbytes(), true);
-    ExposureGuard guard{[&] { release(e); }};
+    ExposureGuard guard{this, &e};
     enter(c, e.code);
     std::memcpy(out.data, static_cast<const uint8_t*>(in.data) + static_cast<size_t>(rank()) * nbytes, nbytes);
     publish(seq, kFinal);
@@ -971,7 +1099,7 @@ void ShmGroup::do_all_to_all(Ctx& c, Buffer out, Buffer in) {
   if (in.count == 0) return;
   const size_t blk = in.nbytes() / static_cast<size_t>(n);
   Exposure e = expose(c, in.data, in.nbytes(), true);
-  ExposureGuard guard{[&] { release(e); }};
+  ExposureGuard guard{this, &e};
   enter(c, e.code);
   auto* o = static_cast<uint8_t*>(out.data);
   std::memcpy(o + me * blk, static_cast<const uint8_t*>(in.data) + me * blk, blk);
@@ -1023,7 +1151,7 @@ void ShmGroup::do_recv(Ctx& c, Buffer buf, int src, int tag) {
   if (m.tag != tag || m.dtype != buf.dtype || m.count != buf.count) {
     fail(c, fmt::format("{}: the next message from rank {} is tag {} ({}, {}) but this recv expects tag {} ({}, {}); "
                         "sends and recvs between two ranks are matched in issue order",
-                        c.what, src, m.tag, short_dtype_name(m.dtype), m.count, tag, short_dtype_name(buf.dtype),
+                        c.what(), src, m.tag, short_dtype_name(m.dtype), m.count, tag, short_dtype_name(buf.dtype),
                         buf.count),
          false);
   }
