@@ -456,8 +456,8 @@ TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
     int64_t N, C, O, H, W, K;
   };
   const std::vector<Cfg> cfgs = {
-      {"4x16x32x32 3x3 pad1", {.padding = {1, 1}}, 4, 16, 24, 32, 32, 3},
-      {"stride2 dilation2 pad2", {.stride = {2, 2}, .padding = {2, 2}, .dilation = {2, 2}}, 3, 32, 16, 13, 14, 3},
+      {"4x16x32x32 3x3 pad1", {.padding = {1, 1}}, 4, 16, 40, 32, 32, 3},
+      {"stride2 dilation2 pad2", {.stride = {2, 2}, .padding = {2, 2}, .dilation = {2, 2}}, 3, 32, 32, 13, 14, 3},
       {"stride(2,1) 5x5", {.stride = {2, 1}, .padding = {2, 1}}, 2, 8, 12, 11, 9, 5},
       {"1-channel stem", {.padding = {1, 1}}, 4, 1, 32, 12, 12, 3},
   };
