@@ -11,7 +11,8 @@
 // its input lies) is readable", steps 2.. "my chunk k is reduced", kFinal "done with #seq, my
 // buffers may be reused". The descriptor sits in the progress word's cache line (a seqlock on the
 // step-0 store) and in a ring of recent ones for diagnosis. Waiting for a peer is spin-then-futex
-// on the peer's epoch word (bumped by every publish), in slices of at most 10 ms so the group's
+// on the peer's epoch word (bumped by every publish; a peer that last ran on our CPU gets it
+// handed over by sched_yield instead of spinning), in slices of at most 10 ms so the group's
 // deadline, a dead peer (pid gone or zombie), a peer that left the group and an abort raised by
 // another rank are all noticed. A wait already satisfied by the last value seen reads nothing
 // shared, and no clock is read unless a wait has to spin.
@@ -160,6 +161,7 @@ struct alignas(64) RankCtl {
   std::atomic<uint64_t> cur_call;   // pack_call()
   std::atomic<int64_t> cur_count;
   std::atomic<uint64_t> cur_code;
+  std::atomic<int32_t> cpu;  // the CPU this rank last entered a collective on (a hint for waiters)
   alignas(64) std::atomic<uint32_t> epoch;  // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;
   alignas(64) std::atomic<int32_t> pid;
@@ -651,7 +653,11 @@ void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::str
   }
   {
     const auto budget = std::chrono::nanoseconds(spin_budget_ns_);
+    // The peer last ran on our CPU (the scheduler stacked us there, e.g. beside a busy process on
+    // the other one): it cannot progress while we spin, so hand the CPU over at once.
+    const bool same_cpu = ctl(p).cpu.load(std::memory_order_relaxed) == sched_getcpu();
     for (int i = 0;; ++i) {
+      if (same_cpu) sched_yield();
       for (int k = 0; k < 16; ++k) {
         cpu_relax();
         if (pred()) {
@@ -662,7 +668,7 @@ void ShmGroup::wait_until(Ctx& c, int p, Pred pred, const std::function<std::str
       if ((i & 7) == 0) {
         const auto spent = Clock::now() - t0;
         if (spent >= budget) break;
-        if (spent > std::chrono::microseconds(2)) sched_yield();
+        if (!same_cpu && spent > std::chrono::microseconds(2)) sched_yield();
       }
     }
     spin_budget_ns_ = std::max<int64_t>(std::max<int64_t>(1000, spin_ns_ / 8), spin_budget_ns_ * 3 / 4);
@@ -831,6 +837,7 @@ void ShmGroup::enter(Ctx& c, uint64_t code) {
   mine.cur_call.store(pack_call(d), std::memory_order_relaxed);
   mine.cur_count.store(d.count, std::memory_order_relaxed);
   mine.cur_code.store(code, std::memory_order_relaxed);
+  mine.cpu.store(sched_getcpu(), std::memory_order_relaxed);
   mine.recent[d.seq % kRecent] = d;
   publish(d.seq, 1);
 }
