@@ -3,6 +3,11 @@
 // bench/torch_ddp_step.py with gloo DDP). Rank 0 prints one JSON line:
 //   {"impl":"tandem","workload":..,"dtype":..,"nproc":N,"samples_per_s":..,"step_ms":..,"cpu_step_ms":..}
 // samples_per_s counts the global batch (N x per-rank batch) per step; W3 also reports tokens_per_s.
+// --phases prints, per rank to stderr, the step split into forward / backward / optimizer, the
+// reducer's timeline (first bucket launch, end of backward, wait for communication after it) and
+// main-thread vs other-thread (progress thread) CPU time. DDP options other than PyTorch's
+// defaults (--bucket-cap-mb, --first-bucket-mb, --gradient-as-bucket-view, --delay-allreduce)
+// are for profiling; run_ddp_bench.sh uses the defaults on both sides.
 #include <sched.h>
 
 #include <cstdio>

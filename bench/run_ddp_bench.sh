@@ -7,7 +7,11 @@
 # N x cpu/step at 1p over cpu/step at N (the scaling if each rank had its core to itself).
 #
 #   bench/run_ddp_bench.sh [--torch-python PY] [--build-dir DIR] [--seconds S] [--rounds R]
-#                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild]
+#                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild] [--pair]
+#
+# --pair also runs, per side, two independent 1-process runs at once (one per core, no
+# communication) and prints their CPU per step against a 1-process run alone: how much the two
+# cores slow each other down (memory, caches), which bounds 2p/1p whatever DDP does.
 #
 # Each configuration runs R times per side, alternating, keeping each side's best. The PyTorch
 # here is only a yardstick (PyPI's torch in a venv outside the repo): tests and CI never use it.
@@ -21,6 +25,7 @@ rounds=1
 workloads=(w1 w2 w3)
 dtypes=(f32 bf16)
 nprocs=(1 2)
+pair=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --torch-python) torch_python="$2"; shift 2 ;;
@@ -31,7 +36,8 @@ while [[ $# -gt 0 ]]; do
     --dtype) dtypes=("$2"); shift 2 ;;
     --nprocs) read -r -a nprocs <<<"$2"; shift 2 ;;
     --rebuild) rebuild=1; shift ;;
-    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --pair) pair=1; shift ;;
+    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_ddp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +49,8 @@ echo "command: for W in ${workloads[*]}; for D in ${dtypes[*]}; for N in ${nproc
 echo
 
 out="$(mktemp)"
-trap 'rm -f "$out"' EXIT
+pairout="$(mktemp)"
+trap 'rm -f "$out" "$pairout"' EXIT
 for ((r = 1; r <= rounds; ++r)); do
   for w in "${workloads[@]}"; do
     for d in "${dtypes[@]}"; do
@@ -54,11 +61,23 @@ for ((r = 1; r <= rounds; ++r)); do
         "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$w" --dtype "$d" --nproc "$n" \
           --seconds "$seconds" >>"$out" 2>/dev/null
       done
+      if [[ "$pair" = 1 ]]; then
+        echo "round $r/$rounds: $w $d pair (two 1p runs at once) tandem, torch ..." >&2
+        for c in 0 1; do
+          taskset -c "$c" "$bench_bin" --workload "$w" --dtype "$d" --nproc 1 --seconds "$seconds" >>"$pairout" &
+        done
+        wait
+        for c in 0 1; do
+          taskset -c "$c" "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$w" --dtype "$d" --nproc 1 \
+            --seconds "$seconds" >>"$pairout" 2>/dev/null &
+        done
+        wait
+      fi
     done
   done
 done
 
-python3 - "$out" <<'PY'
+python3 - "$out" "$pairout" <<'PY'
 import json, sys
 best, cpu = {}, {}
 for line in open(sys.argv[1]):
@@ -100,4 +119,18 @@ for (w, dt, n, impl), c in sorted(cpu.items()):
     ps = f"{p:9.2f}" if p else f"{'-':>9}"
     print(f"{names[w]:8} {dt:5} {n:5d} {c:9.2f} {ps} {ratio:>9} {cpu_scaling('tandem'):>11} {cpu_scaling('torch'):>11}")
 print("(CPU ms per step of rank 0's process, best of the rounds; same per-rank batch on both sides)")
+pairs = {}
+for line in open(sys.argv[2]):
+    if line.startswith("{"):
+        d = json.loads(line)
+        pairs.setdefault((d["workload"], d["dtype"], d["impl"]), []).append(d["cpu_step_ms"])
+if pairs:
+    print()
+    print(f"{'workload':8} {'dtype':5} {'impl':>6} {'alone ms':>9} {'paired ms':>9} {'slowdown':>8} {'2p/1p ceiling':>13}")
+    for (w, dt, impl), runs in sorted(pairs.items()):
+        alone = cpu.get((w, dt, 1, impl))
+        paired = sum(runs) / len(runs)
+        if alone:
+            print(f"{names[w]:8} {dt:5} {impl:>6} {alone:9.2f} {paired:9.2f} {paired / alone:7.2f}x {2 * alone / paired:12.2f}x")
+    print("(two independent 1-process runs at once, one per core: CPU ms per step, mean of the runs)")
 PY
