@@ -301,6 +301,34 @@ TEST(Spawn, RankThatNeverStartsIsNamedAtRendezvous) {
   for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.describe();
 }
 
+// Runs all_reduce on `b` in a loop; rank 1 kills itself at iteration `kill_at`. On every other
+// rank the loop must end in a CommError naming rank 1 as dead (and, if asked, the collective)
+// within 2x `timeout`; finishing the loop without an error fails.
+void all_reduce_until_rank1_dies(ProcessGroup& pg, Buffer b, int rank, int kill_at,
+                                 std::chrono::milliseconds timeout, bool names_collective) {
+  for (int it = 0; it < kill_at + 100000; ++it) {
+    if (rank == 1 && it == kill_at) raise(SIGKILL);
+    const auto t0 = Clock::now();
+    try {
+      pg.all_reduce(b)->wait();
+    } catch (const CommError& e) {
+      const auto waited_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+      const std::string m = e.what();
+      require(m.find("rank 1 (pid") != std::string::npos && m.find("died") != std::string::npos,
+              "the error does not name the dead rank: " + m);
+      if (names_collective) {
+        require(m.find("all_reduce #") != std::string::npos, "the error does not name the collective: " + m);
+      }
+      require(waited_ms < 2 * timeout,
+              fmt::format("error after {} ms (limit {} ms)", waited_ms.count(), 2 * timeout.count()));
+      std::fprintf(stderr, "rank %d got, after %lld ms: %s\n", rank, static_cast<long long>(waited_ms.count()),
+                   m.c_str());
+      return;
+    }
+  }
+  throw std::runtime_error("the loop finished without an error");
+}
+
 TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
   const auto timeout = 2000ms;
   auto opts = spawn_options();
@@ -312,27 +340,7 @@ TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
     auto pg = default_group();
     const int64_t count = 1 << 18;
     auto mem = pg->allocate(count * 4);
-    Buffer b{mem.get(), count, DType::f32, kCPU};
-    for (int it = 0; it < 100000; ++it) {
-      if (rank == 1 && it == 30) raise(SIGKILL);
-      const auto t0 = Clock::now();
-      try {
-        pg->all_reduce(b)->wait();
-      } catch (const CommError& e) {
-        const auto waited = Clock::now() - t0;
-        const std::string m = e.what();
-        require(m.find("rank 1 (pid") != std::string::npos && m.find("died") != std::string::npos,
-                 "the error does not name the dead rank: " + m);
-        require(waited < 2 * timeout, fmt::format("error after {} ms (limit {} ms)",
-                                                   std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
-                                                   2 * timeout.count()));
-        std::fprintf(stderr, "rank %d got, after %lld ms: %s\n", rank,
-                     static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()),
-                     m.c_str());
-        return;
-      }
-    }
-    throw std::runtime_error("the loop finished without an error");
+    all_reduce_until_rank1_dies(*pg, Buffer{mem.get(), count, DType::f32, kCPU}, rank, 30, timeout, false);
   }, opts);
   EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
   EXPECT_TRUE(results[0].ok()) << results[0].describe();
@@ -351,25 +359,7 @@ TEST(Spawn, KilledRankDuringSmallAllReducesIsAnErrorNamingIt) {
     init_process_group(o);
     auto pg = default_group();
     auto mem = pg->allocate(4096);
-    Buffer b{mem.get(), 1024, DType::f32, kCPU};
-    for (int it = 0; it < 1000000; ++it) {
-      if (rank == 1 && it == 2000) raise(SIGKILL);
-      const auto t0 = Clock::now();
-      try {
-        pg->all_reduce(b)->wait();
-      } catch (const CommError& e) {
-        const auto waited = Clock::now() - t0;
-        const std::string m = e.what();
-        require(m.find("rank 1 (pid") != std::string::npos && m.find("died") != std::string::npos,
-                "the error does not name the dead rank: " + m);
-        require(m.find("all_reduce #") != std::string::npos, "the error does not name the collective: " + m);
-        require(waited < 2 * timeout, fmt::format("error after {} ms (limit {} ms)",
-                                                  std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
-                                                  2 * timeout.count()));
-        return;
-      }
-    }
-    throw std::runtime_error("the loop finished without an error");
+    all_reduce_until_rank1_dies(*pg, Buffer{mem.get(), 1024, DType::f32, kCPU}, rank, 2000, timeout, true);
   }, opts);
   EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
   EXPECT_TRUE(results[0].ok()) << results[0].describe();
