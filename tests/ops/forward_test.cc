@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "ops/ops_test_util.h"
+#include "tandem/kernels/cpu/gemm.h"
 
 namespace tandem {
 namespace {
@@ -349,6 +350,54 @@ TEST(ForwardLinalg, LinearValues) {
   EXPECT_EQ(y3.shape(), (Shape{2, 1, 2}));
   EXPECT_EQ(ops::linear(f64({1, 2, 3}, {3}), w, b).to_vector(), (std::vector<double>{-1.5, 3.5}));
   EXPECT_EQ(ops::linear(f64({1, 2, 3}, {3}), w, b).shape(), (Shape{2}));
+}
+
+// kernels::gemm in f32 (dnnl_sgemm for operands with a unit-stride dim, the matmul primitive
+// otherwise) against the f64 loop on the same f32-rounded inputs, over every layout the ops and
+// the attention kernel hand it: plain, transposed, row-strided views, no unit stride at all,
+// broadcast batches, a bias (contiguous and strided), and 1-sized dims. Bound per element: f32
+// accumulation over K terms, |err| <= K * 2^-24 * sum_k |a_ik b_kj| (+ one rounding of the bias).
+TEST(ForwardLinalg, F32GemmLayoutsMatchF64) {
+  Generator gen(7);
+  struct Case {
+    int64_t ba, bb, M, K, N;
+  };
+  for (const Case cs : {Case{1, 1, 37, 53, 29}, Case{1, 1, 64, 64, 64}, Case{3, 3, 5, 17, 70}, Case{1, 4, 9, 8, 130},
+                        Case{4, 1, 1, 33, 5}, Case{2, 2, 6, 1, 7}, Case{1, 1, 19, 40, 1}}) {
+    // layout 0: contiguous; 1: the transpose of a contiguous tensor; 2: every other column of a
+    // wider tensor (row stride 2 * cols, unit column stride); 3: no unit stride (every other
+    // element of a transposed wider tensor).
+    auto make = [&](int64_t batch, int64_t rows, int64_t cols, int layout) {
+      switch (layout) {
+        case 0: return randn({batch, rows, cols}, kFloat32, &gen);
+        case 1: return randn({batch, cols, rows}, kFloat32, &gen).transpose(1, 2);
+        case 2: return randn({batch, rows, 2 * cols}, kFloat32, &gen).slice(2, 0, cols);
+        default: return randn({batch, 2 * cols, rows}, kFloat32, &gen).slice(1, 0, 2 * cols, 2).transpose(1, 2);
+      }
+    };
+    for (int la = 0; la < 4; ++la) {
+      for (int lb = 0; lb < 4; ++lb) {
+        for (int with_bias = 0; with_bias < 3; ++with_bias) {
+          const Tensor a = make(cs.ba, cs.M, cs.K, la), b = make(cs.bb, cs.K, cs.N, lb);
+          const Tensor bias = with_bias == 0   ? Tensor()
+                              : with_bias == 1 ? randn({cs.N}, kFloat32, &gen)
+                                               : randn({2 * cs.N}, kFloat32, &gen).slice(0, 0, 2 * cs.N, 2);
+          const Tensor got = kernels::gemm(a, b, bias, kFloat32);
+          const Tensor want = kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias,
+                                            kFloat64);
+          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
+          ASSERT_EQ(got.shape(), want.shape());
+          const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
+          for (size_t i = 0; i < g.size(); ++i) {
+            const double bound = cs.K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
+            ASSERT_LE(std::abs(g[i] - w[i]), bound)
+                << "element " << i << " layouts " << la << "," << lb << " bias " << with_bias << " case " << cs.ba
+                << "x" << cs.M << "x" << cs.K << " @ " << cs.bb << "x" << cs.K << "x" << cs.N;
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(ForwardSoftmax, ValuesAndNormalisation) {

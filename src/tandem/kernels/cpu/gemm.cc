@@ -1,5 +1,6 @@
 #include "tandem/kernels/cpu/gemm.h"
 
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -98,6 +99,71 @@ void gemm_dnnl(const Tensor& a0, const Tensor& b0, const Tensor& bias, Tensor& c
   stream.wait();
 }
 
+// How a (rows x cols) matrix operand with strides (rs, cs) reads as a row-major BLAS operand:
+// 'N' with leading dimension rs, 'T' (its transpose is row-major) with leading dimension cs, or
+// 0 when neither dimension has unit stride.
+struct BlasOperand {
+  char trans = 0;
+  int64_t ld = 0;
+};
+
+BlasOperand blas_operand(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+  if (cs == 1 || cols == 1) {
+    const int64_t ld = rows == 1 ? cols : rs;
+    if (ld >= std::max<int64_t>(cols, 1)) return {'N', ld};
+  }
+  if (rs == 1 || rows == 1) {
+    const int64_t ld = cols == 1 ? rows : cs;
+    if (ld >= std::max<int64_t>(rows, 1)) return {'T', ld};
+  }
+  return {};
+}
+
+enum class F32Gemm { sgemm, matmul };
+
+// TANDEM_F32_GEMM picks the oneDNN entry point for f32: "sgemm" (dnnl_sgemm, its JIT GEMM; the
+// default: 5-15% faster than the matmul primitive on our 1-thread model shapes) or "matmul" (the
+// brgemm matmul primitive, which fuses the bias). Read once.
+F32Gemm f32_gemm_choice() {
+  static const F32Gemm choice = [] {
+    const char* env = std::getenv("TANDEM_F32_GEMM");
+    const std::string v = env != nullptr ? env : "";
+    if (v.empty() || v == "sgemm") return F32Gemm::sgemm;
+    if (v == "matmul") return F32Gemm::matmul;
+    throw ValueError(fmt::format("TANDEM_F32_GEMM=\"{}\" is not a known f32 GEMM; use \"sgemm\" (oneDNN's JIT GEMM, "
+                                 "the default) or \"matmul\" (oneDNN's matmul primitive)",
+                                 v));
+  }();
+  return choice;
+}
+
+// f32 operands and result through dnnl_sgemm, one call per batch entry; the bias is written into
+// c first and accumulated onto (beta = 1). Operands without a unit-stride dim take gemm_dnnl.
+void gemm_f32(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
+  const int64_t B = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);
+  const BlasOperand oa = blas_operand(M, K, a.stride(1), a.stride(2));
+  const BlasOperand ob = blas_operand(K, N, b.stride(1), b.stride(2));
+  if (f32_gemm_choice() == F32Gemm::matmul || oa.trans == 0 || ob.trans == 0) return gemm_dnnl(a, b, bias, c);
+  const int64_t sab = a.size(0) == 1 ? 0 : a.stride(0), sbb = b.size(0) == 1 ? 0 : b.stride(0);
+  const float* pa = a.data_ptr<float>();
+  const float* pb = b.data_ptr<float>();
+  float* pc = c.data_ptr<float>();
+  float beta = 0.0f;
+  if (bias.defined()) {
+    const Tensor bias_c = bias.contiguous();
+    const float* pbias = bias_c.data_ptr<float>();
+    for (int64_t r = 0; r < B * M; ++r) std::copy(pbias, pbias + N, pc + r * N);
+    beta = 1.0f;
+  }
+  dnnl_sync_threads();
+  for (int64_t i = 0; i < B; ++i) {
+    const dnnl_status_t st = dnnl_sgemm(oa.trans, ob.trans, M, N, K, 1.0f, pa + i * sab, oa.ld, pb + i * sbb, ob.ld,
+                                        beta, pc + i * M * N, N);
+    TANDEM_CHECK(st == dnnl_success, Error, "gemm: dnnl_sgemm failed (status {}) for {} x {} x {}",
+                 static_cast<int>(st), M, K, N);
+  }
+}
+
 void check_operands(const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& c) {
   TANDEM_CHECK(a.dim() == 3 && b.dim() == 3, ShapeError, "gemm: expected 3-d operands, got {} and {}",
                shape_str(a.shape()), shape_str(b.shape()));
@@ -128,7 +194,10 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
       const Tensor bb = bias.defined() ? bias.to(kFloat64) : bias;
       return gemm_f64(a, b, bb, c);
     }
-    case DType::f32:
+    case DType::f32: {
+      const Tensor bb = bias.defined() && bias.dtype() != kFloat32 ? bias.to(kFloat32) : bias;
+      return gemm_f32(a, b, bb, c);
+    }
     case DType::bf16: {
       const Tensor bb = bias.defined() && bias.dtype() != c.dtype() && c.dtype() != kFloat32 ? bias.to(c.dtype()) : bias;
       return gemm_dnnl(a, b, bb, c);
@@ -144,7 +213,7 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
         return w;
       };
       Tensor c32 = c.dtype() == kFloat32 ? c : empty(c.shape(), kFloat32);
-      gemm_dnnl(widen(a), widen(b), bias.defined() ? bias.to(kFloat32) : bias, c32);
+      gemm_f32(widen(a), widen(b), bias.defined() ? bias.to(kFloat32) : bias, c32);
       if (!c32.is_same(c)) c.copy_(c32);
       return;
     }
