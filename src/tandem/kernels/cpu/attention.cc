@@ -27,11 +27,6 @@ Tensor mat(const T* p, int64_t rows, int64_t cols, int64_t ld, bool transposed =
 }
 
 template <class T>
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  return gemm(a, b, Tensor(), dtype_of<T>::value);
-}
-
-template <class T>
 T exp_of(T x) {
   if constexpr (std::is_same_v<T, float>) return exp_approx(x);  // vectorisable, < 2e-7 relative
   else return std::exp(x);
@@ -64,6 +59,32 @@ void add_rows(T* dst, const T* src, int64_t rows, int64_t cols, int64_t ld) {
   }
 }
 
+// c (M x N, row stride ldc) = op(a) @ op(b), or += with accumulate, where op transposes when ta /
+// tb; lda / ldb are the operands' row strides as stored. f32 goes straight through sgemm into the
+// strided destination; f64 through gemm() on matrix views, then stored or added.
+template <class T>
+void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* a, int64_t lda, const T* b, int64_t ldb,
+        bool accumulate, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, ldc);
+  } else {
+    const Tensor av = ta ? mat(a, K, M, lda, true) : mat(a, M, K, lda);
+    const Tensor bv = tb ? mat(b, N, K, ldb, true) : mat(b, K, N, ldb);
+    const Tensor r = gemm(av, bv, Tensor(), dtype_of<T>::value);
+    if (accumulate) add_rows(c, r.data_ptr<T>(), M, N, ldc);
+    else store_rows(r.data_ptr<T>(), c, M, N, ldc);
+  }
+}
+
+// A per-thread scratch of at least n elements (a tile's scores or their gradient), kept between
+// calls.
+template <class T>
+T* scratch(int slot, int64_t n) {
+  thread_local std::vector<T> buf[2];
+  if (static_cast<int64_t>(buf[slot].size()) < n) buf[slot].resize(n);
+  return buf[slot].data();
+}
+
 }  // namespace
 
 // Works as follows, per (batch*head) and per tile of query rows: scores = Q_tile K^T over the
@@ -86,8 +107,8 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<T>::infinity());
         continue;
       }
-      Tensor scores = matmul<T>(mat(Q + t0 * s.q.st, rows, s.D, s.q.st), mat(K, n, s.D, s.k.st, true));  // (1, rows, n)
-      T* P = scores.data_ptr<T>();
+      T* P = scratch<T>(0, rows * n);  // scores (rows x n)
+      mm<T>(false, true, rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, n);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
@@ -108,8 +129,7 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         std::fill(row + nr, row + n, T(0));
         lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
       }
-      Tensor o = matmul<T>(scores, mat(V, n, s.Dv, s.v.st));  // (1, rows, Dv)
-      store_rows(o.data_ptr<T>(), O, rows, s.Dv, s.out.st);
+      mm<T>(false, false, rows, s.Dv, n, P, n, V, s.v.st, false, O, s.out.st);
     }
   }
 }
@@ -143,8 +163,8 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
       const T* dO = dOh + t0 * s.dout.st;
       const T* O = Oh + t0 * s.out.st;
       const T* Qt = Q + t0 * s.q.st;
-      Tensor p_t = matmul<T>(mat(Qt, rows, s.D, s.q.st), mat(K, n, s.D, s.k.st, true));  // (1, rows, n)
-      T* P = p_t.data_ptr<T>();
+      T* P = scratch<T>(0, rows * n);  // (rows x n)
+      mm<T>(false, true, rows, n, s.D, Qt, s.q.st, K, s.k.st, false, P, n);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
@@ -158,11 +178,10 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         std::fill(row + nr, row + n, T(0));
       }
       // dV[0:n] += P^T dO
-      Tensor dv_t = matmul<T>(mat(P, rows, n, n, true), mat(dO, rows, s.Dv, s.dout.st));
-      add_rows(dV, dv_t.data_ptr<T>(), n, s.Dv, s.dv.st);
+      mm<T>(true, false, n, s.Dv, rows, P, n, dO, s.dout.st, true, dV, s.dv.st);
       // dS = P * (dO V^T - delta) * scale, in place of dP
-      Tensor ds_t = matmul<T>(mat(dO, rows, s.Dv, s.dout.st), mat(V, n, s.Dv, s.v.st, true));  // (1, rows, n)
-      T* dS = ds_t.data_ptr<T>();
+      T* dS = scratch<T>(1, rows * n);  // (rows x n)
+      mm<T>(false, true, rows, n, s.Dv, dO, s.dout.st, V, s.v.st, false, dS, n);
       for (int64_t r = 0; r < rows; ++r) {
         const T* dor = dO + r * s.dout.st;
         const T* orow = O + r * s.out.st;
@@ -177,10 +196,8 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
       }
       // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-      Tensor dq_t = matmul<T>(ds_t, mat(K, n, s.D, s.k.st));
-      store_rows(dq_t.data_ptr<T>(), dQ, rows, s.D, s.dq.st);
-      Tensor dk_t = matmul<T>(mat(dS, rows, n, n, true), mat(Qt, rows, s.D, s.q.st));
-      add_rows(dK, dk_t.data_ptr<T>(), n, s.D, s.dk.st);
+      mm<T>(false, false, rows, s.D, n, dS, n, K, s.k.st, false, dQ, s.dq.st);
+      mm<T>(true, false, n, s.D, rows, dS, n, Qt, s.q.st, true, dK, s.dk.st);
     }
   }
 }

@@ -222,6 +222,15 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
   }
 }
 
+void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+           int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  dnnl_sync_threads();
+  const dnnl_status_t st = dnnl_sgemm(transa, transb, M, N, K, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  TANDEM_CHECK(st == dnnl_success, Error, "sgemm: dnnl_sgemm failed (status {}) for {}{} {} x {} x {}",
+               static_cast<int>(st), transa, transb, M, K, N);
+}
+
 Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& bias, DType out_dtype) {
   check_operands(a, b, bias, Tensor());
   TANDEM_CHECK(out_dtype == a.dtype() || (is_reduced_float(a.dtype()) && out_dtype == kFloat32), DTypeError,

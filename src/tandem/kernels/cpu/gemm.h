@@ -16,4 +16,12 @@ Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& bias, DType out_dtyp
 // The GFLOP/s-relevant part only: c = a @ b into a preallocated contiguous c (used by benches).
 void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c);
 
+// Raw row-major f32 BLAS-style product on the calling thread's oneDNN:
+//   c (M x N, row stride ldc) = op(a) @ op(b) + beta * c,
+// where op(x) is x ('N') or its transpose ('T'), and lda/ldb are the row strides of a and b as
+// stored. For kernels that tile their own loops (attention) and write straight into strided
+// outputs; beta = 1 accumulates.
+void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
+           int64_t ldb, float beta, float* c, int64_t ldc);
+
 }  // namespace tandem::kernels
