@@ -47,7 +47,7 @@ struct SgdRef {
 // PyTorch's Adam / AdamW update in double.
 struct AdamRef {
   double lr, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0;
-  bool decoupled = false, amsgrad = false;
+  bool decoupled = false, amsgrad = false, maximize = false;
   std::vector<double> m, v, vmax;
   int t = 0;
   void step(std::vector<double>& p, const std::vector<double>& g) {
@@ -55,7 +55,7 @@ struct AdamRef {
     ++t;
     const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
     for (size_t i = 0; i < p.size(); ++i) {
-      double gi = g[i];
+      double gi = maximize ? -g[i] : g[i];
       if (decoupled) p[i] *= 1 - lr * wd;
       else gi += wd * p[i];
       m[i] = b1 * m[i] + (1 - b1) * gi;
@@ -242,6 +242,46 @@ TEST(Adam, MatchesClosedFormOnVectors) {
         // Adam's step is ~lr in size and its rounding errors are relative to it; 1e-6 covers f32.
         expect_near_vec(p, expected, dt == td::kFloat64 ? 1e-14 : 1e-6, std::string(c.what) + " " +
                                                                             std::string(td::dtype_name(dt)));
+      }
+    }
+  }
+}
+
+// Vectors long enough for whole 16-lane blocks plus a tail (37, 1000 elements), every variant
+// including maximize, against the same double reference and tolerance.
+TEST(Adam, LongVectorsEveryVariantMatchClosedForm) {
+  struct Case {
+    optim::AdamOptions o;
+    bool decoupled;
+    const char* what;
+  };
+  const Case cases[] = {
+      {{.lr = 0.01}, false, "adam"},
+      {{.lr = 0.01, .weight_decay = 0.1}, false, "adam+l2"},
+      {{.lr = 0.01, .weight_decay = 0.1}, true, "adamw"},
+      {{.lr = 0.01, .amsgrad = true}, false, "amsgrad"},
+      {{.lr = 0.01, .weight_decay = 0.1, .amsgrad = true, .maximize = true}, true, "adamw+amsgrad+maximize"},
+  };
+  for (int64_t n : {37, 1000}) {
+    // Values of magnitude < 4, as in the tolerance's derivation above.
+    std::vector<double> p0(n);
+    std::vector<std::vector<double>> grads(3, std::vector<double>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      p0[i] = std::sin(0.37 * i) * 3;
+      for (int s = 0; s < 3; ++s) grads[s][i] = std::cos(0.11 * i + s) * 2;
+    }
+    for (const Case& c : cases) {
+      Tensor p = param(p0, td::kFloat32);
+      std::unique_ptr<optim::Optimizer> opt;
+      if (c.decoupled) opt = std::make_unique<optim::AdamW>(std::vector<Tensor>{p}, c.o);
+      else opt = std::make_unique<optim::Adam>(std::vector<Tensor>{p}, c.o);
+      AdamRef ref{c.o.lr, c.o.beta1, c.o.beta2, c.o.eps, c.o.weight_decay, c.decoupled, c.o.amsgrad, c.o.maximize};
+      std::vector<double> expected = p.to_vector();  // the f32-rounded start
+      for (const auto& g : grads) {
+        set_grad(p, g);
+        opt->step();
+        ref.step(expected, td::tensor(g, {n}, td::kFloat32).to_vector());
+        expect_near_vec(p, expected, 1e-6, std::string(c.what) + " n=" + std::to_string(n));
       }
     }
   }
