@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -153,9 +154,49 @@ inline tandem::Tensor normalise_fashion(const tandem::Tensor& images) {
   return tandem::ops::mul(tandem::ops::add(tandem::ops::mul(x, 1.0 / 255.0), -0.2860), 1.0 / 0.3530);
 }
 
+// PyTorch's torch.optim.swa_utils.update_bn, on `batches` mini-batches of the training set (the
+// order the next epoch would draw): every BatchNorm's running statistics are reset and recomputed
+// with the final weights as the plain average over those batches (momentum None, i.e. 1/k at the
+// k-th batch), no gradients, no weight change. What eval mode then uses is the statistics of the
+// trained network, not an exponential average that lags behind weights still moving at lr 1e-3
+// ("precise BN": Wu & Johnson, Rethinking "Batch" in BatchNorm, 2021). Training data only.
+inline void update_bn(tandem::nn::Module& model, const Precision& precision, const tandem::Tensor& x_train,
+                      int64_t batches, int64_t batch_size, uint64_t order_seed) {
+  namespace td = tandem;
+  std::vector<td::nn::BatchNorm*> bns;
+  for (auto& [name, m] : model.named_modules()) {
+    if (auto* bn = dynamic_cast<td::nn::BatchNorm*>(m.get()); bn && bn->options.track_running_stats) bns.push_back(bn);
+  }
+  if (bns.empty() || batches <= 0) return;
+  const bool was_training = model.is_training();
+  std::vector<double> momentum;
+  td::NoGradGuard no_grad;
+  for (auto* bn : bns) {
+    momentum.push_back(bn->options.momentum);
+    bn->running_mean.fill_(0.0);
+    bn->running_var.fill_(1.0);
+    bn->num_batches_tracked.fill_(0.0);
+  }
+  model.train();
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n = x_train.size(0);
+  const td::Tensor order = permutation(n, order_seed);
+  for (int64_t k = 0; k < batches && k * batch_size < n; ++k) {
+    for (auto* bn : bns) bn->options.momentum = 1.0 / static_cast<double>(k + 1);
+    const td::Tensor idx = order.narrow(0, k * batch_size, std::min(batch_size, n - k * batch_size));
+    auto autocast = precision.forward_guard();
+    model(precision.input(td::ops::index_select(x_train, 0, idx)));
+  }
+  for (size_t i = 0; i < bns.size(); ++i) bns[i]->options.momentum = momentum[i];
+  model.train(was_training);
+  std::printf("update_bn: BatchNorm statistics of %zu layer(s) recomputed over %lld training batches in %.1f s\n",
+              bns.size(), static_cast<long long>(std::min(batches, (n + batch_size - 1) / batch_size)),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
 // The image-classification loop W1 and W2 share: shuffled mini-batches (a fresh Philox
 // permutation per epoch), zero_grad / forward / cross_entropy / backward / step, then test
-// accuracy in eval mode.
+// accuracy in eval mode (after update_bn over `update_bn_batches` training batches when > 0).
 struct ClassifierResult {
   double test_accuracy = 0, samples_per_s = 0, train_seconds = 0;
   int64_t steps = 0;
@@ -164,7 +205,8 @@ struct ClassifierResult {
 inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::optim::Optimizer& opt, Precision& precision,
                                          const tandem::Tensor& x_train, const tandem::Tensor& y_train,
                                          const tandem::Tensor& x_test, const tandem::Tensor& y_test, int64_t epochs,
-                                         int64_t batch_size, uint64_t seed) {
+                                         int64_t batch_size, uint64_t seed,
+                                         int64_t update_bn_batches = 0) {
   namespace td = tandem;
   ClassifierResult r;
   const int64_t n = x_train.size(0);
@@ -193,6 +235,7 @@ inline ClassifierResult train_classifier(tandem::nn::Module& model, tandem::opti
     r.train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   r.samples_per_s = static_cast<double>(seen) / r.train_seconds;
+  update_bn(model, precision, x_train, update_bn_batches, batch_size, seed * 1000003ULL + static_cast<uint64_t>(epochs));
   // ---- evaluate (BatchNorm on its running statistics) ----
   model.eval();
   int64_t correct = 0;
