@@ -154,44 +154,30 @@ inline tandem::Tensor normalise_fashion(const tandem::Tensor& images) {
   return tandem::ops::mul(tandem::ops::add(tandem::ops::mul(x, 1.0 / 255.0), -0.2860), 1.0 / 0.3530);
 }
 
-// PyTorch's torch.optim.swa_utils.update_bn, on `batches` mini-batches of the training set (the
-// order the next epoch would draw): every BatchNorm's running statistics are reset and recomputed
-// with the final weights as the plain average over those batches (momentum None, i.e. 1/k at the
-// k-th batch), no gradients, no weight change. What eval mode then uses is the statistics of the
-// trained network, not an exponential average that lags behind weights still moving at lr 1e-3
-// ("precise BN": Wu & Johnson, Rethinking "Batch" in BatchNorm, 2021). Training data only.
+// optim::update_bn (torch.optim.swa_utils.update_bn) on `batches` mini-batches of the training
+// set, in the order the next epoch would draw them: every BatchNorm's running statistics are reset
+// and recomputed with the final weights as the plain average over those batches, no gradients, no
+// weight change. What eval mode then uses is the statistics of the trained network, not an
+// exponential average that lags behind weights still moving at lr 1e-3 ("precise BN": Wu &
+// Johnson, Rethinking "Batch" in BatchNorm, 2021). Training data only.
 inline void update_bn(tandem::nn::Module& model, const Precision& precision, const tandem::Tensor& x_train,
                       int64_t batches, int64_t batch_size, uint64_t order_seed) {
   namespace td = tandem;
-  std::vector<td::nn::BatchNorm*> bns;
-  for (auto& [name, m] : model.named_modules()) {
-    if (auto* bn = dynamic_cast<td::nn::BatchNorm*>(m.get()); bn && bn->options.track_running_stats) bns.push_back(bn);
-  }
-  if (bns.empty() || batches <= 0) return;
-  const bool was_training = model.is_training();
-  std::vector<double> momentum;
-  td::NoGradGuard no_grad;
-  for (auto* bn : bns) {
-    momentum.push_back(bn->options.momentum);
-    bn->running_mean.fill_(0.0);
-    bn->running_var.fill_(1.0);
-    bn->num_batches_tracked.fill_(0.0);
-  }
-  model.train();
+  if (batches <= 0) return;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = x_train.size(0);
   const td::Tensor order = permutation(n, order_seed);
-  for (int64_t k = 0; k < batches && k * batch_size < n; ++k) {
-    for (auto* bn : bns) bn->options.momentum = 1.0 / static_cast<double>(k + 1);
+  int64_t k = 0;
+  auto autocast = precision.forward_guard();
+  const int64_t ran = td::optim::update_bn(model, [&] {
+    if (k >= batches || k * batch_size >= n) return td::Tensor();
     const td::Tensor idx = order.narrow(0, k * batch_size, std::min(batch_size, n - k * batch_size));
-    auto autocast = precision.forward_guard();
-    model(precision.input(td::ops::index_select(x_train, 0, idx)));
-  }
-  for (size_t i = 0; i < bns.size(); ++i) bns[i]->options.momentum = momentum[i];
-  model.train(was_training);
-  std::printf("update_bn: BatchNorm statistics of %zu layer(s) recomputed over %lld training batches in %.1f s\n",
-              bns.size(), static_cast<long long>(std::min(batches, (n + batch_size - 1) / batch_size)),
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    ++k;
+    return precision.input(td::ops::index_select(x_train, 0, idx));
+  });
+  if (ran == 0) return;
+  std::printf("update_bn: BatchNorm statistics recomputed over %lld training batches in %.1f s\n",
+              static_cast<long long>(ran), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 // The image-classification loop W1 and W2 share: shuffled mini-batches (a fresh Philox

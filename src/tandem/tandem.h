@@ -50,5 +50,6 @@
 #include "tandem/optim/adam.h"
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/optim/sgd.h"
+#include "tandem/optim/swa_utils.h"
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/sync_batch_norm.h"

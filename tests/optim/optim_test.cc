@@ -500,3 +500,74 @@ TEST(ClipGradNorm, NonFiniteNorms) {
     }
   }
 }
+
+// update_bn (torch.optim.swa_utils.update_bn): running statistics become the plain average of the
+// per-batch statistics under the current weights; mode, momentum, weights restored; no gradients.
+namespace {
+
+TEST(UpdateBn, RunningStatsAreThePlainAverageOfBatchStatistics) {
+  auto model = std::make_shared<td::nn::Sequential>();
+  auto lin = std::make_shared<td::nn::Linear>(3, 2);
+  auto bn = std::make_shared<td::nn::BatchNorm1d>(2, td::nn::BatchNormOptions{.momentum = 0.3});
+  model->push_back(lin);
+  model->push_back(bn);
+  // Stale statistics that must not survive.
+  bn->running_mean.fill_(5.0);
+  bn->running_var.fill_(7.0);
+  bn->num_batches_tracked.fill_(11.0);
+  model->eval();
+  td::Generator gen(3);
+  std::vector<Tensor> batches{td::randn({4, 3}, td::kFloat32, &gen), td::randn({6, 3}, td::kFloat32, &gen),
+                              td::randn({5, 3}, td::kFloat32, &gen)};
+  const std::vector<double> w_before = lin->weight.to_vector();
+  size_t next = 0;
+  const int64_t ran = optim::update_bn(*model, [&] { return next < batches.size() ? batches[next++] : Tensor(); });
+  EXPECT_EQ(ran, 3);
+  // Expected: mean over batches of each batch's mean and unbiased variance of x W^T + b, in double.
+  std::vector<double> mean(2, 0.0), var(2, 0.0);
+  const std::vector<double> w = lin->weight.to_vector(), b = lin->bias.to_vector();
+  for (const Tensor& x : batches) {
+    const std::vector<double> xv = x.to_vector();
+    const int64_t n = x.size(0);
+    for (int c = 0; c < 2; ++c) {
+      std::vector<double> y(n);
+      double s = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        y[i] = b[c];
+        for (int k = 0; k < 3; ++k) y[i] += xv[i * 3 + k] * w[c * 3 + k];
+        s += y[i];
+      }
+      const double m = s / n;
+      double ss = 0;
+      for (int64_t i = 0; i < n; ++i) ss += (y[i] - m) * (y[i] - m);
+      mean[c] += m / 3;
+      var[c] += ss / (n - 1) / 3;
+    }
+  }
+  // f32 statistics of O(1) values over <= 6 rows, averaged with f32 momenta: 1e-5 absolute.
+  expect_near_vec(bn->running_mean, mean, 1e-5, "running_mean");
+  expect_near_vec(bn->running_var, var, 1e-5, "running_var");
+  EXPECT_EQ(bn->num_batches_tracked.item(), 3.0);
+  EXPECT_FALSE(model->is_training());
+  EXPECT_EQ(bn->options.momentum, 0.3);
+  EXPECT_EQ(lin->weight.to_vector(), w_before);
+  EXPECT_FALSE(lin->weight.grad().defined());
+}
+
+TEST(UpdateBn, NoBatchNormMeansNoForwardAndAThrowRestoresModeAndMomentum) {
+  auto plain = std::make_shared<td::nn::Linear>(3, 2);
+  int calls = 0;
+  EXPECT_EQ(optim::update_bn(*plain, [&] { ++calls; return td::randn({2, 3}); }), 0);
+  EXPECT_EQ(calls, 0);
+
+  auto bn = std::make_shared<td::nn::BatchNorm1d>(3);
+  bn->eval();
+  int n = 0;
+  // The second input has the wrong width: BatchNorm's error propagates, the state is restored.
+  EXPECT_THROW(optim::update_bn(*bn, [&] { return ++n == 1 ? td::randn({4, 3}) : td::randn({4, 5}); }),
+               td::Error);
+  EXPECT_FALSE(bn->is_training());
+  EXPECT_EQ(bn->options.momentum, 0.1);
+}
+
+}  // namespace
