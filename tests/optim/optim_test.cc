@@ -214,13 +214,24 @@ TEST(Adam, HandComputedTwoSteps) {
   EXPECT_EQ(optim::AdamW::defaults().weight_decay, 1e-2);
 }
 
+// One Adam/AdamW configuration of the closed-form tests: the optimizer over `p` and its reference.
+struct AdamCase {
+  optim::AdamOptions o;
+  bool decoupled;  // AdamW
+  const char* what;
+};
+
+std::unique_ptr<optim::Optimizer> make_adam(const Tensor& p, const AdamCase& c) {
+  if (c.decoupled) return std::make_unique<optim::AdamW>(std::vector<Tensor>{p}, c.o);
+  return std::make_unique<optim::Adam>(std::vector<Tensor>{p}, c.o);
+}
+
+AdamRef adam_ref(const AdamCase& c) {
+  return AdamRef{c.o.lr, c.o.beta1, c.o.beta2, c.o.eps, c.o.weight_decay, c.decoupled, c.o.amsgrad, c.o.maximize};
+}
+
 TEST(Adam, MatchesClosedFormOnVectors) {
-  struct Case {
-    optim::AdamOptions o;
-    bool decoupled;
-    const char* what;
-  };
-  const Case cases[] = {
+  const AdamCase cases[] = {
       {{.lr = 0.01}, false, "adam"},
       {{.lr = 0.01, .beta1 = 0.5, .beta2 = 0.9}, false, "betas"},  // beta1 = 0.5: lerp's other branch
       {{.lr = 0.01, .weight_decay = 0.1}, false, "adam+l2"},
@@ -228,12 +239,10 @@ TEST(Adam, MatchesClosedFormOnVectors) {
       {{.lr = 0.01, .amsgrad = true}, false, "amsgrad"},
   };
   for (td::DType dt : {td::kFloat32, td::kFloat64}) {
-    for (const Case& c : cases) {
+    for (const AdamCase& c : cases) {
       Tensor p = param(kP0, dt);
-      std::unique_ptr<optim::Optimizer> opt;
-      if (c.decoupled) opt = std::make_unique<optim::AdamW>(std::vector<Tensor>{p}, c.o);
-      else opt = std::make_unique<optim::Adam>(std::vector<Tensor>{p}, c.o);
-      AdamRef ref{c.o.lr, c.o.beta1, c.o.beta2, c.o.eps, c.o.weight_decay, c.decoupled, c.o.amsgrad};
+      std::unique_ptr<optim::Optimizer> opt = make_adam(p, c);
+      AdamRef ref = adam_ref(c);
       std::vector<double> expected = kP0;
       for (const auto& g : kGrads) {
         set_grad(p, g);
@@ -250,12 +259,7 @@ TEST(Adam, MatchesClosedFormOnVectors) {
 // Vectors long enough for whole 16-lane blocks plus a tail (37, 1000 elements), every variant
 // including maximize, against the same double reference and tolerance.
 TEST(Adam, LongVectorsEveryVariantMatchClosedForm) {
-  struct Case {
-    optim::AdamOptions o;
-    bool decoupled;
-    const char* what;
-  };
-  const Case cases[] = {
+  const AdamCase cases[] = {
       {{.lr = 0.01}, false, "adam"},
       {{.lr = 0.01, .weight_decay = 0.1}, false, "adam+l2"},
       {{.lr = 0.01, .weight_decay = 0.1}, true, "adamw"},
@@ -270,12 +274,10 @@ TEST(Adam, LongVectorsEveryVariantMatchClosedForm) {
       p0[i] = std::sin(0.37 * i) * 3;
       for (int s = 0; s < 3; ++s) grads[s][i] = std::cos(0.11 * i + s) * 2;
     }
-    for (const Case& c : cases) {
+    for (const AdamCase& c : cases) {
       Tensor p = param(p0, td::kFloat32);
-      std::unique_ptr<optim::Optimizer> opt;
-      if (c.decoupled) opt = std::make_unique<optim::AdamW>(std::vector<Tensor>{p}, c.o);
-      else opt = std::make_unique<optim::Adam>(std::vector<Tensor>{p}, c.o);
-      AdamRef ref{c.o.lr, c.o.beta1, c.o.beta2, c.o.eps, c.o.weight_decay, c.decoupled, c.o.amsgrad, c.o.maximize};
+      std::unique_ptr<optim::Optimizer> opt = make_adam(p, c);
+      AdamRef ref = adam_ref(c);
       std::vector<double> expected = p.to_vector();  // the f32-rounded start
       for (const auto& g : grads) {
         set_grad(p, g);

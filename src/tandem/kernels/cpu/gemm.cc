@@ -155,12 +155,8 @@ void gemm_f32(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
     for (int64_t r = 0; r < B * M; ++r) std::copy(pbias, pbias + N, pc + r * N);
     beta = 1.0f;
   }
-  dnnl_sync_threads();
   for (int64_t i = 0; i < B; ++i) {
-    const dnnl_status_t st = dnnl_sgemm(oa.trans, ob.trans, M, N, K, 1.0f, pa + i * sab, oa.ld, pb + i * sbb, ob.ld,
-                                        beta, pc + i * M * N, N);
-    TANDEM_CHECK(st == dnnl_success, Error, "gemm: dnnl_sgemm failed (status {}) for {} x {} x {}",
-                 static_cast<int>(st), M, K, N);
+    sgemm(oa.trans, ob.trans, M, N, K, pa + i * sab, oa.ld, pb + i * sbb, ob.ld, beta, pc + i * M * N, N);
   }
 }
 
