@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/tandem.h"
 
 namespace tandem::bench {
@@ -130,6 +131,7 @@ Tensor train_step(const std::vector<Tensor>& xs, const std::vector<Tensor>& ys, 
 struct Phases {
   double zero_grad = 0, forward = 0, loss = 0, backward = 0, step = 0;
   int64_t allocs = 0, system_allocs = 0, steps = 0;
+  kernels::KernelTime gemm, conv;  // inside oneDNN's GEMM / convolution calls, all phases
 };
 
 // The same step with a process-CPU clock between phases (everything is synchronous on CPU),
@@ -139,6 +141,8 @@ Phases time_phases(const CommonArgs& a, const std::vector<Tensor>& xs, const std
                    optim::Optimizer& opt, Forward&& forward) {
   Phases ph;
   auto& alloc = cpu_allocator();
+  kernels::reset_kernel_timing();
+  kernels::set_kernel_timing(true);
   const auto t_end = Clock::now() + std::chrono::duration<double>(a.seconds);
   while (ph.steps < a.min_steps || Clock::now() < t_end) {
     const Tensor& x = xs[next % xs.size()];
@@ -161,8 +165,13 @@ Phases time_phases(const CommonArgs& a, const std::vector<Tensor>& xs, const std
     ph.system_allocs += s1.num_system_allocs - s0.num_system_allocs;
     ++ph.steps;
   }
+  kernels::set_kernel_timing(false);
+  ph.gemm = kernels::kernel_time(kernels::KernelKind::gemm);
+  ph.conv = kernels::kernel_time(kernels::KernelKind::conv);
   return ph;
 }
+
+inline double gflops_per_s(const kernels::KernelTime& t) { return t.seconds > 0 ? 1e-9 * t.flops / t.seconds : 0.0; }
 
 // The "<name>" phases JSON line (name is e.g. "mlp_step_phases").
 inline void print_phases(const std::string& name, const std::string& dtype, const Phases& ph) {
@@ -170,10 +179,11 @@ inline void print_phases(const std::string& name, const std::string& dtype, cons
   std::printf(
       "{\"name\":\"%s\",\"impl\":\"tandem\",\"dtype\":\"%s\",\"steps\":%lld,\"zero_grad_ms\":%.3f,"
       "\"forward_ms\":%.3f,\"loss_ms\":%.3f,\"backward_ms\":%.3f,\"optimizer_ms\":%.3f,\"allocs_per_step\":%.1f,"
-      "\"system_allocs_per_step\":%.2f}\n",
+      "\"system_allocs_per_step\":%.2f,\"gemm_ms\":%.3f,\"gemm_gflops\":%.1f,\"conv_ms\":%.3f,\"conv_gflops\":%.1f}\n",
       name.c_str(), dtype.c_str(), static_cast<long long>(ph.steps), 1e3 * ph.zero_grad / k, 1e3 * ph.forward / k,
       1e3 * ph.loss / k, 1e3 * ph.backward / k, 1e3 * ph.step / k, static_cast<double>(ph.allocs) / k,
-      static_cast<double>(ph.system_allocs) / k);
+      static_cast<double>(ph.system_allocs) / k, 1e3 * ph.gemm.seconds / k, gflops_per_s(ph.gemm),
+      1e3 * ph.conv.seconds / k, gflops_per_s(ph.conv));
   std::fflush(stdout);
 }
 

@@ -77,5 +77,36 @@ def time_phases(args, name, dtype, model, opt, xs, ys, state, loss_fn):
         for k, dt in zip(ph, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             ph[k] += dt
         steps += 1
+    gemm_ms, conv_ms = matmul_conv_ms(args, bf16, model, opt, xs, ys, state, loss_fn)
     emit({"name": name, "impl": "torch", "dtype": dtype, "steps": steps,
-          **{f"{k}_ms": round(1e3 * v / steps, 3) for k, v in ph.items()}})
+          **{f"{k}_ms": round(1e3 * v / steps, 3) for k, v in ph.items()},
+          "gemm_ms": round(gemm_ms, 3), "conv_ms": round(conv_ms, 3)})
+
+
+# The ATen ops that are one BLAS / oneDNN matrix-product or convolution call (self time: the
+# kernel, without the ops they call). PyTorch's fused CPU attention is neither (Tandem counts its
+# attention's tile products as GEMM).
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv"}
+CONV_OPS = {"aten::mkldnn_convolution", "aten::convolution_backward", "aten::_convolution"}
+
+
+def matmul_conv_ms(args, bf16, model, opt, xs, ys, state, loss_fn, steps=3):
+    """Self CPU ms per step inside GEMM and convolution ops, from torch.profiler over `steps`
+    more steps (the profiler's per-op overhead is small next to these kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            i = state["next"] % len(xs)
+            state["next"] += 1
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(xs[i]), ys[i])
+            loss.backward()
+            opt.step()
+    gemm = conv = 0.0
+    for e in prof.key_averages():
+        if e.key in GEMM_OPS:
+            gemm += e.self_cpu_time_total
+        elif e.key in CONV_OPS:
+            conv += e.self_cpu_time_total
+    return gemm / 1e3 / steps, conv / 1e3 / steps

@@ -13,7 +13,8 @@
 #   --seconds S        timed seconds per workload per round (default 3, at least 10 steps)
 #   --workload W       only cnn or only gpt (default both)
 #   --dtype D          only f32 or only bf16 (default both)
-#   --phases           also print each side's per-phase step breakdown
+#   --phases           also print each side's per-phase step breakdown and its time inside GEMM and
+#                      convolution calls (Tandem: kernel timers; PyTorch: torch.profiler self time)
 #
 # Every (workload, dtype, side) runs in a process of its own, so that the peak-RSS figure is that
 # pair's alone. Columns: "wall" figures come from the median wall time per step; "cpu" figures
@@ -44,7 +45,7 @@ while [[ $# -gt 0 ]]; do
     --dtype) dtypes=("$2"); shift 2 ;;
     --phases) phases=1; shift ;;
     --rebuild) rebuild=1; shift ;;
-    -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_models_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -126,6 +127,20 @@ if last:
                 allocs = f"{r['allocs_per_step']:.0f}" if "allocs_per_step" in r else "-"
                 print(f"  {key[0]:<8} {key[1]:<5} {impl:<7} " + " ".join(f"{r[c + '_ms']:>10.3f}" for c in cols)
                       + f" {allocs:>12}")
+    print("\nmatrix products (GEMM + convolution calls) in the same phase runs, ms/step; \"ceiling\": PyTorch's"
+          "\nbest median cpu step over Tandem's GEMM + convolution time, the ratio Tandem would reach if"
+          "\neverything else took no time:")
+    print(f"  {'workload':<8} {'dtype':<5} {'T gemm':>8} {'GF/s':>6} {'T conv':>8} {'GF/s':>6} {'P gemm':>8} {'P conv':>8}"
+          f" {'ceiling':>8}")
+    for key in order:
+        t, p = last.get((key[0], key[1], "tandem")), last.get((key[0], key[1], "torch"))
+        if not t or not p or "gemm_ms" not in t:
+            continue
+        p_step_ms = min(r["step_ms_cpu_median"] for r in rows if r["name"] == f"{key[0]}_step"
+                        and r["impl"] == "torch" and r["dtype"] == key[1])
+        tm = t["gemm_ms"] + t["conv_ms"]
+        print(f"  {key[0]:<8} {key[1]:<5} {t['gemm_ms']:>8.2f} {t['gemm_gflops']:>6.1f} {t['conv_ms']:>8.2f}"
+              f" {t['conv_gflops']:>6.1f} {p['gemm_ms']:>8.2f} {p['conv_ms']:>8.2f} {p_step_ms / tm if tm else float('nan'):>7.2f}x")
 
 print("\nraw JSON lines:")
 for r in rows:

@@ -11,6 +11,7 @@
 
 #include "ops/ops_test_util.h"
 #include "tandem/kernels/cpu/gemm.h"
+#include "tandem/kernels/cpu/kernel_timing.h"
 
 namespace tandem {
 namespace {
@@ -690,6 +691,38 @@ TEST(ForwardLarge, ParallelChunksMatchReference) {
     masks[k] = ops::dropout(a, 0.3, true, &gd).to_vector();
   }
   EXPECT_EQ(masks[0], masks[1]);
+}
+
+// The benches' GEMM / convolution timers: off, nothing is counted; on, each oneDNN call is
+// counted once with its 2 x multiply-adds (a conv counts the padded taps, as oneDNN computes them).
+TEST(KernelTiming, CountsCallsAndFlopsOnlyWhenOn) {
+  using kernels::KernelKind;
+  Generator gen(3);
+  const Tensor a = randn({2, 37, 53}, kFloat32, &gen), b = randn({2, 53, 29}, kFloat32, &gen);
+  const Tensor x = randn({2, 3, 9, 9}, kFloat32, &gen), w = randn({4, 3, 3, 3}, kFloat32, &gen);
+  kernels::reset_kernel_timing();
+  (void)ops::matmul(a, b);
+  (void)ops::conv2d(x, w, Tensor(), {.stride = {2, 2}, .padding = {1, 1}});
+  EXPECT_EQ(kernels::kernel_time(KernelKind::gemm).calls, 0);
+  EXPECT_EQ(kernels::kernel_time(KernelKind::conv).calls, 0);
+
+  kernels::set_kernel_timing(true);
+  (void)ops::matmul(a, b);
+  (void)ops::conv2d(x, w, Tensor(), {.stride = {2, 2}, .padding = {1, 1}});
+  kernels::set_kernel_timing(false);
+  const kernels::KernelTime g = kernels::kernel_time(KernelKind::gemm), c = kernels::kernel_time(KernelKind::conv);
+  // f32: one dnnl_sgemm per batch entry.
+  EXPECT_EQ(g.calls, 2);
+  EXPECT_EQ(g.flops, 2.0 * 2 * 37 * 53 * 29);
+  EXPECT_GT(g.seconds, 0.0);
+  EXPECT_EQ(c.calls, 1);
+  EXPECT_EQ(c.flops, 2.0 * (2 * 4 * 5 * 5) * (3 * 3 * 3));  // output 2x4x5x5, 27 taps each
+  EXPECT_GT(c.seconds, 0.0);
+  (void)ops::matmul(a, b);
+  EXPECT_EQ(kernels::kernel_time(KernelKind::gemm).calls, 2);
+  kernels::reset_kernel_timing();
+  EXPECT_EQ(kernels::kernel_time(KernelKind::gemm).calls, 0);
+  EXPECT_EQ(kernels::kernel_time(KernelKind::gemm).flops, 0.0);
 }
 
 }  // namespace

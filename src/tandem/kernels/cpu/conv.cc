@@ -9,6 +9,7 @@
 #include "tandem/core/convert.h"
 #include "tandem/core/parallel.h"
 #include "tandem/kernels/cpu/dnnl_common.h"
+#include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/row_math.h"
@@ -54,6 +55,12 @@ Shape conv2d_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p)
 }
 
 namespace {
+
+// 2 x multiply-adds of a convolution pass with output shape ys and weight shape ws (padding
+// taps included, as oneDNN computes them): the same for forward, input and weight gradients.
+double conv_flops(const Shape& ys, const Shape& ws) {
+  return 2.0 * static_cast<double>(ys[0] * ys[1] * ys[2] * ys[3]) * static_cast<double>(ws[1] * ws[2] * ws[3]);
+}
 
 // ---- f64 reference loops (NCHW, contiguous) ----
 
@@ -275,6 +282,7 @@ Tensor conv2d_forward(const Tensor& x0, const Tensor& w0, const Tensor& b0, cons
       {DNNL_ARG_WEIGHTS, weights_as(w, g, plan->fwd_pd.weights_desc(), w_holder)},
       {DNNL_ARG_DST, dnnl::memory(plan->fwd_pd.dst_desc(), dnnl_engine(), y.data_ptr())}};
   if (b.defined()) args.emplace(DNNL_ARG_BIAS, dnnl::memory(plan->fwd_pd.bias_desc(), dnnl_engine(), b.data_ptr()));
+  const KernelTimer timer(KernelKind::conv, conv_flops(ys, w.shape()));
   plan->fwd.execute(dnnl_stream(), args);
   dnnl_stream().wait();
   return y;
@@ -311,6 +319,7 @@ Tensor conv2d_backward_input(const Tensor& gy0, const Tensor& w0, const Shape& x
   Tensor gx = empty_strided(xs, channels_last_strides(xs), dt);
   dnnl_sync_threads();
   Tensor w_holder;
+  const KernelTimer timer(KernelKind::conv, conv_flops(ys, w.shape()));
   plan->bwd_data.execute(dnnl_stream(),
                          {{DNNL_ARG_DIFF_DST, dnnl::memory(plan->bwd_data_pd.diff_dst_desc(), dnnl_engine(), gy.data_ptr())},
                           {DNNL_ARG_WEIGHTS, weights_as(w, g, plan->bwd_data_pd.weights_desc(), w_holder)},
@@ -383,6 +392,7 @@ std::pair<Tensor, Tensor> conv2d_backward_weight(const Tensor& gy0, const Tensor
   if (with_bias) {
     args.emplace(DNNL_ARG_DIFF_BIAS, dnnl::memory(plan->bwd_weights_pd.diff_bias_desc(), dnnl_engine(), gb.data_ptr()));
   }
+  const KernelTimer timer(KernelKind::conv, conv_flops(ys, ws));
   plan->bwd_weights.execute(dnnl_stream(), args);
   if (!(want == plain)) dnnl::reorder(gw_mem, gw_user).execute(dnnl_stream(), gw_mem, gw_user);
   dnnl_stream().wait();

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "tandem/kernels/cpu/dnnl_common.h"
+#include "tandem/kernels/cpu/kernel_timing.h"
 
 #include "tandem/core/convert.h"
 #include "tandem/core/parallel.h"
@@ -40,6 +41,7 @@ void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
   const int64_t sbb = b.size(0) == 1 ? 0 : b.stride(0), sbk = b.stride(1), sbn = b.stride(2);
   const double* pbias = bias.defined() ? bias.data_ptr<double>() : nullptr;
   const int64_t sbias = bias.defined() ? bias.stride(0) : 0;
+  const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(B * M) * static_cast<double>(N * K));
   parallel_for(0, B * M, std::max<int64_t>(1, 4096 / std::max<int64_t>(N * K, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t bi = r / M, i = r % M;
@@ -95,6 +97,7 @@ void gemm_dnnl(const Tensor& a0, const Tensor& b0, const Tensor& bias, Tensor& c
       {DNNL_ARG_DST, dnnl::memory(c_md, rt.engine, c.data_ptr())}};
   if (bias.defined()) args.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_md, rt.engine, bias_c.data_ptr()));
   dnnl::stream& stream = dnnl_stream();
+  const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(B * M) * static_cast<double>(N * K));
   prim.execute(stream, args);
   stream.wait();
 }
@@ -222,6 +225,7 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
            int64_t ldb, float beta, float* c, int64_t ldc) {
   if (M == 0 || N == 0) return;
   dnnl_sync_threads();
+  const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(M) * static_cast<double>(N * K));
   const dnnl_status_t st = dnnl_sgemm(transa, transb, M, N, K, 1.0f, a, lda, b, ldb, beta, c, ldc);
   TANDEM_CHECK(st == dnnl_success, Error, "sgemm: dnnl_sgemm failed (status {}) for {}{} {} x {} x {}",
                static_cast<int>(st), transa, transb, M, K, N);
