@@ -5,7 +5,8 @@
 // samples_per_s counts the global batch (N x per-rank batch) per step; W3 also reports tokens_per_s.
 // --phases prints, per rank to stderr, the step split into forward / backward / optimizer, the
 // reducer's timeline (first bucket launch, end of backward, wait for communication after it) and
-// main-thread vs other-thread (progress thread) CPU time. DDP options other than PyTorch's
+// main-thread vs other-thread (progress thread) CPU time, and the time inside oneDNN GEMM and
+// convolution calls (kernel_timing.h). DDP options other than PyTorch's
 // defaults (--bucket-cap-mb, --first-bucket-mb, --gradient-as-bucket-view, --delay-allreduce)
 // are for profiling; run_ddp_bench.sh uses the defaults on both sides.
 #include <sched.h>
@@ -142,20 +143,26 @@ void run_rank(const Args& a) {
   const int64_t n = steps.data_ptr<int64_t>()[0];
   group->barrier()->wait();
   ph = Phases{};
+  td::kernels::reset_kernel_timing();
+  td::kernels::set_kernel_timing(a.phases);
   const double c0 = td::bench::process_cpu_seconds(), m0 = thread_cpu_seconds();
   const auto t0 = td::bench::Clock::now();
   for (int64_t i = 0; i < n; ++i) step();
   const double main_cpu = thread_cpu_seconds() - m0;
+  td::kernels::set_kernel_timing(false);
   group->barrier()->wait();
   const double wall = td::bench::seconds_since(t0), cpu = td::bench::process_cpu_seconds() - c0;
   if (a.phases) {
     const double k = 1e3 / static_cast<double>(n);
+    const auto gemm = td::kernels::kernel_time(td::kernels::KernelKind::gemm);
+    const auto conv = td::kernels::kernel_time(td::kernels::KernelKind::conv);
     std::fprintf(stderr,
                  "rank %d: per step (ms) forward %.2f backward %.2f (first bucket launched at %.2f, nodes done at "
                  "%.2f, then waited %.2f for communication) optimizer %.2f | main-thread cpu %.2f, other threads "
-                 "cpu %.2f, wall %.2f\n",
+                 "cpu %.2f, wall %.2f | in GEMM %.2f (%.0f GFLOP/s), in convolution %.2f (%.0f GFLOP/s)\n",
                  group->rank(), ph.forward * k, ph.backward * k, ph.first_launch * k, ph.backward_nodes * k,
-                 ph.comm_after * k, ph.optimizer * k, main_cpu * k, (cpu - main_cpu) * k, wall * k);
+                 ph.comm_after * k, ph.optimizer * k, main_cpu * k, (cpu - main_cpu) * k, wall * k, gemm.seconds * k,
+                 td::bench::gflops_per_s(gemm), conv.seconds * k, td::bench::gflops_per_s(conv));
   }
   if (group->rank() == 0) {
     const double samples = static_cast<double>(n * B * group->size());
