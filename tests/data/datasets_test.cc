@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -295,6 +296,58 @@ TEST(TokenFile, Errors) {
   m = error_of([&] { td::data::TokenFile(dir.path() + "/none.bin", 8); });
   EXPECT_NE(m.find(dir.path() + "/none.bin"), std::string::npos) << m;
   EXPECT_THROW(td::data::TokenFile(dir.path() + "/short.bin", 0), td::ValueError);
+}
+
+TEST(TokenFile, AnLlmcFileIsNeverReadAsRawTokens) {
+  // A file that starts with an llm.c magic but does not match its header used to be read as
+  // headerless uint16 tokens: 512 tokens of header, then the data (truncated, or uint32 tokens
+  // split in halves), with no error.
+  td::testing::TempDir dir;
+  auto llmc = [](int32_t magic, int32_t version, int32_t count, int64_t token_bytes) {
+    Bytes b(1024, 0);
+    const int32_t h[3] = {magic, version, count};
+    std::memcpy(b.data(), h, sizeof(h));
+    for (int64_t k = 0; k < token_bytes; ++k) b.push_back(static_cast<unsigned char>(k % 7));
+    return b;
+  };
+  const std::string whole = dir.path() + "/whole.bin", truncated = dir.path() + "/truncated.bin";
+  write_file(whole, llmc(20240520, 1, 500, 1000));
+  EXPECT_EQ(td::data::TokenFile(whole, 16).num_tokens(), 500);
+  write_file(truncated, llmc(20240520, 1, 500, 800));  // a download cut at 400 of 500 tokens
+  std::string m = error_of([&] { td::data::TokenFile(truncated, 16); });
+  EXPECT_NE(m.find(truncated), std::string::npos) << m;
+  EXPECT_NE(m.find("announces 500 tokens (2024 bytes"), std::string::npos) << m;
+  EXPECT_NE(m.find("holds 1824 bytes"), std::string::npos) << m;
+  write_file(dir.path() + "/appended.bin", llmc(20240520, 1, 500, 1002));
+  EXPECT_THROW(td::data::TokenFile(dir.path() + "/appended.bin", 16), td::IOError);
+  // llm.c's LLaMA-3 files (magic 20240801, version 7) hold uint32 tokens.
+  write_file(dir.path() + "/llama3.bin", llmc(20240801, 7, 300, 1200));
+  m = error_of([&] { td::data::TokenFile(dir.path() + "/llama3.bin", 16); });
+  EXPECT_NE(m.find(dir.path() + "/llama3.bin"), std::string::npos) << m;
+  EXPECT_NE(m.find("uint32"), std::string::npos) << m;
+  write_file(dir.path() + "/v2.bin", llmc(20240520, 2, 500, 1000));
+  m = error_of([&] { td::data::TokenFile(dir.path() + "/v2.bin", 16); });
+  EXPECT_NE(m.find("version 2"), std::string::npos) << m;
+  // Cut inside the header.
+  Bytes head = llmc(20240520, 1, 500, 0);
+  head.resize(600);
+  write_file(dir.path() + "/head.bin", head);
+  m = error_of([&] { td::data::TokenFile(dir.path() + "/head.bin", 16); });
+  EXPECT_NE(m.find("holds 600 bytes"), std::string::npos) << m;
+}
+
+TEST(TokenFileAndTextBytes, ContextNearInt64MaxIsAClearError) {
+  // context + 1 overflowed (undefined behaviour; the message read "context + 1 = -9223372036854775808").
+  td::testing::TempDir dir;
+  write_file(dir.path() + "/t.bin", Bytes(4000, 1));
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  std::string m = error_of([&] { td::data::TokenFile(dir.path() + "/t.bin", big, 0, 4); });
+  EXPECT_NE(m.find("holds 2000 tokens (4000 bytes), fewer than context + 1 = 9223372036854775808"),
+            std::string::npos) << m;
+  std::ofstream(dir.path() + "/t.txt") << "some text";
+  m = error_of([&] { td::data::TextBytes({dir.path() + "/t.txt"}, big, 0, 4); });
+  EXPECT_NE(m.find("holds 9 bytes (1 files), shorter than context + 1 = 9223372036854775808"), std::string::npos)
+      << m;
 }
 
 // ---- Synthetic ----

@@ -81,9 +81,10 @@ TextBytes::TextBytes(std::vector<std::string> paths, int64_t context, uint64_t s
   }
   auto bytes = std::make_shared<std::vector<uint8_t>>();
   for (const std::string& f : files_) read_append(f, *bytes);
-  TANDEM_CHECK(static_cast<int64_t>(bytes->size()) >= context + 1, IOError,
+  // size > context, not size >= context + 1: that sum overflows for context = INT64_MAX.
+  TANDEM_CHECK(static_cast<int64_t>(bytes->size()) > context, IOError,
                "TextBytes: the corpus {} holds {} bytes ({} files), shorter than context + 1 = {} bytes", join(paths),
-               bytes->size(), files_.size(), context + 1);
+               bytes->size(), files_.size(), static_cast<uint64_t>(context) + 1);
   bytes_ = std::move(bytes);
   samples_ = samples_per_epoch > 0 ? samples_per_epoch : (corpus_size() - 1) / context;
 }
@@ -137,20 +138,40 @@ TokenFile::TokenFile(const std::string& path, int64_t context, uint64_t seed, in
   TANDEM_CHECK(size == 0 || map->addr != MAP_FAILED, IOError, "TokenFile: {}: cannot map {} bytes: {}", path, size,
                std::strerror(map_errno));
   const auto* data = static_cast<const unsigned char*>(size > 0 ? map->addr : nullptr);
-  // An llm.c file announces itself: magic, version 1, and a token count that fills the file exactly.
-  if (size >= kLlmcHeaderBytes) {
-    int32_t h[3];
-    std::memcpy(h, data, sizeof(h));
+  // An llm.c file announces itself by its magic. Once announced it must be a whole uint16 llm.c
+  // file: read as raw tokens instead, its header would become 512 bogus tokens and a truncated
+  // file would train silently (raw GPT-2 tokens are < 50257, so no raw file starts with either
+  // magic, whose low halves are 55240 and 55713).
+  if (size >= 4) {
+    int32_t h[3] = {0, 0, 0};
+    std::memcpy(h, data, static_cast<size_t>(std::min<int64_t>(size, sizeof(h))));
     if constexpr (std::endian::native == std::endian::big) {
       for (int32_t& v : h) v = static_cast<int32_t>(__builtin_bswap32(static_cast<uint32_t>(v)));
     }
-    header_ = h[0] == kLlmcMagic && h[1] == 1 && int64_t{h[2]} * 2 + kLlmcHeaderBytes == size;
+    if (h[0] == kLlmcMagic || h[0] == kLlmcLlama3Magic) {
+      TANDEM_CHECK(size >= kLlmcHeaderBytes, IOError,
+                   "TokenFile: {}: starts with llm.c's magic {} but holds {} bytes, less than its {}-byte header "
+                   "(truncated?)",
+                   path, h[0], size, kLlmcHeaderBytes);
+      TANDEM_CHECK(h[0] == kLlmcMagic, IOError,
+                   "TokenFile: {}: an llm.c LLaMA-3 file (magic {}, version {}) holds uint32 tokens; TokenFile reads "
+                   "uint16 tokens (llm.c's GPT-2 files, magic {}, or nanoGPT's headerless .bin)",
+                   path, h[0], h[1], kLlmcMagic);
+      TANDEM_CHECK(h[1] == 1, IOError, "TokenFile: {}: llm.c header version {}, expected 1 (uint16 tokens)", path,
+                   h[1]);
+      const int64_t expected = int64_t{h[2]} * 2 + kLlmcHeaderBytes;
+      TANDEM_CHECK(h[2] >= 0 && expected == size, IOError,
+                   "TokenFile: {}: the llm.c header announces {} tokens ({} bytes with the header) but the file holds "
+                   "{} bytes (truncated or appended to?)",
+                   path, h[2], expected, size);
+      header_ = true;
+    }
   }
   tokens_ = data ? data + (header_ ? kLlmcHeaderBytes : 0) : nullptr;
   num_tokens_ = (size - (header_ ? kLlmcHeaderBytes : 0)) / 2;
-  TANDEM_CHECK(num_tokens_ >= context + 1, IOError,
+  TANDEM_CHECK(num_tokens_ > context, IOError,  // not >= context + 1: that overflows for INT64_MAX
                "TokenFile: {}: holds {} tokens ({} bytes), fewer than context + 1 = {}", path, num_tokens_, size,
-               context + 1);
+               static_cast<uint64_t>(context) + 1);
   map_ = std::move(map);
   samples_ = samples_per_epoch > 0 ? samples_per_epoch : (num_tokens_ - 1) / context;
 }

@@ -55,17 +55,21 @@ class TextBytes : public Dataset {
 
 // A flat array of little-endian uint16 tokens: nanoGPT's train.bin (np.uint16, no header) or an
 // llm.c .bin (a 1024-byte header of 256 int32: magic 20240520, version 1, token count; then the
-// tokens), recognised by its header. The file is memory-mapped read-only, not read. Example i as
+// tokens), recognised by its magic. A file starting with an llm.c magic is never read as raw
+// tokens: a truncated one, a wrong version or llm.c's LLaMA-3 format (magic 20240801, uint32
+// tokens) is an IOError. The file is memory-mapped read-only, not read. Example i as
 // in TextBytes: {input int64 [context], target int64 [context] shifted by one}. Immutable,
 // thread-safe; copies share the mapping.
 class TokenFile : public Dataset {
  public:
-  static constexpr int32_t kLlmcMagic = 20240520;
+  static constexpr int32_t kLlmcMagic = 20240520;        // GPT-2 tokens, uint16, version 1
+  static constexpr int32_t kLlmcLlama3Magic = 20240801;  // LLaMA-3 tokens, uint32 (rejected)
   static constexpr int64_t kLlmcHeaderBytes = 1024;
 
   // samples_per_epoch: size(); 0 means (num_tokens - 1) / context.
   // Throws IOError naming the path when it is missing or cannot be mapped, when its size is odd
-  // (naming the size), or when it holds fewer than context + 1 tokens (naming the count);
+  // (naming the size), when its llm.c header does not match its size (naming both) or is not
+  // version 1, or when it holds fewer than context + 1 tokens (naming the count);
   // ValueError when context < 1 or samples_per_epoch < 0.
   TokenFile(const std::string& path, int64_t context, uint64_t seed = 0, int64_t samples_per_epoch = 0);
 
