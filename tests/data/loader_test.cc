@@ -4,6 +4,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -269,6 +273,71 @@ TEST(DataLoader, ResumeWithExplicitSetEpochLoop) {
   EXPECT_TRUE(drain(loader).empty());
   EXPECT_THROW(loader.load_state({2, 6}), td::ValueError);
   EXPECT_THROW(loader.load_state({-1, 0}), td::ValueError);
+}
+
+TEST(DataLoader, StateAfterLoadFollowsTheSamplersEpoch) {
+  // PyTorch code sets the epoch on the sampler, not the loader. After load_state({2, 4}),
+  // sampler.set_epoch(3) makes the next pass a fresh epoch 3, and state() must say so: it said
+  // {2, 4}, and a checkpoint taken then would resume 4 batches into the wrong epoch.
+  Probe ds(30);
+  td::data::DistributedSampler s(30, {.num_replicas = 2, .rank = 0, .seed = 4});
+  DataLoader loader(ds, {.batch_size = 3, .sampler = &s});
+  loader.set_epoch(3);
+  drain(loader, 2);  // a pass of epoch 3 stopped after 2 batches
+  loader.load_state({2, 4});
+  EXPECT_EQ(loader.state(), (DataLoader::State{2, 4}));
+  s.set_epoch(3);
+  EXPECT_EQ(loader.state(), (DataLoader::State{3, 0})) << "not the earlier pass's {3, 2}, nor the dropped {2, 4}";
+  auto it = loader.begin();
+  EXPECT_EQ(it.index(), 0);
+  *it;
+  EXPECT_EQ(loader.state(), (DataLoader::State{3, 1}));
+}
+
+TEST(DataLoader, BatchSizeNearInt64MaxIsOneBatch) {
+  // torch: len(DataLoader(range(10), batch_size=2**63-1)) == 1. ceil as (n + b - 1) / b
+  // overflowed to no batch at all.
+  td::data::TensorDataset ds({td::arange(10)});
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  for (int64_t workers : {0, 2}) {
+    DataLoader loader(ds, {.batch_size = big, .num_workers = workers});
+    EXPECT_EQ(loader.size(), 1);
+    std::vector<std::vector<double>> got;
+    for (Batch& b : loader) got.push_back(b[0].to_vector());
+    ASSERT_EQ(got.size(), 1u) << "workers=" << workers;
+    EXPECT_EQ(got[0].size(), 10u);
+    DataLoader dropping(ds, {.batch_size = big, .drop_last = true, .num_workers = workers});
+    EXPECT_EQ(dropping.size(), 0);
+    EXPECT_TRUE(drain(dropping).empty());
+  }
+}
+
+TEST(DataLoader, PrefetchFactorHasNoUpperLimit) {
+  // Only min(num_workers * prefetch_factor, batches) slots can ever hold a batch. A slot per
+  // unit of the product threw std::bad_alloc for 2 x 2^40, and a product that overflowed to a
+  // negative capacity left the workers waiting for room forever (the consumer with them).
+  td::data::TensorDataset ds({td::arange(100), td::arange(100)});
+  DataLoader large(ds, {.batch_size = 10, .num_workers = 2, .prefetch_factor = int64_t{1} << 40});
+  Values a;
+  ASSERT_NO_THROW(a = drain(large));
+  EXPECT_EQ(a.size(), 10u);
+  // A hang must fail the test, not stall the suite: the pass runs on a thread with a deadline.
+  std::promise<size_t> done;
+  std::future<size_t> result = done.get_future();
+  std::thread([&ds, p = std::move(done)]() mutable {
+    size_t n = 0;
+    {
+      DataLoader overflowing(ds, {.batch_size = 10, .num_workers = 4,
+                                  .prefetch_factor = std::numeric_limits<int64_t>::max() / 2});
+      for (Batch& b : overflowing) n += static_cast<size_t>(b[0].numel());
+    }  // joined before the test may return and destroy ds
+    p.set_value(n);
+  }).detach();
+  if (result.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    std::fprintf(stderr, "DataLoader.PrefetchFactorHasNoUpperLimit: the pass hung (overflowing prefetch capacity)\n");
+    std::_Exit(1);  // the hung workers cannot be joined
+  }
+  EXPECT_EQ(result.get(), 100u);
 }
 
 TEST(DataLoader, StaleIteratorAndBadOptions) {

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -91,6 +92,20 @@ TEST(DistributedSampler, SizesAndTotalSize) {
   EXPECT_EQ(b.total_size(), 9);
   DistributedSampler c(12, {.num_replicas = 3, .rank = 0, .drop_last = true});
   EXPECT_EQ(c.size(), 4);
+}
+
+TEST(DistributedSampler, HugeNumReplicasDoesNotOverflow) {
+  // ceil(5 / R) = 1 for any R >= 5; rank r takes position r of the padded list, i.e. r % 5.
+  // (N + R - 1) / R and p += R overflowed here: size 0, or positions past the end.
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  DistributedSampler first(5, {.num_replicas = big, .rank = 0, .shuffle = false});
+  EXPECT_EQ(first.size(), 1);
+  EXPECT_EQ(first.indices(), Indices{0});
+  DistributedSampler last(5, {.num_replicas = big, .rank = big - 1, .shuffle = false});
+  EXPECT_EQ(last.indices(), Indices{(big - 1) % 5});
+  DistributedSampler dropped(5, {.num_replicas = big, .rank = 3, .drop_last = true});
+  EXPECT_EQ(dropped.size(), 0);
+  EXPECT_TRUE(dropped.indices().empty());
 }
 
 // ---- shuffled: coverage and padding ----

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <mutex>
 #include <span>
@@ -36,8 +37,18 @@ namespace {
   }
 }
 
+// ceil or floor of n / batch_size; (n + batch_size - 1) / batch_size would overflow for a
+// batch_size near INT64_MAX (torch: one batch of everything).
 int64_t batches_for(int64_t n, int64_t batch_size, bool drop_last) {
-  return drop_last ? n / batch_size : (n + batch_size - 1) / batch_size;
+  return n / batch_size + (!drop_last && n % batch_size != 0 ? 1 : 0);
+}
+
+// Batches in flight or waiting at once: num_workers * prefetch_factor, saturated instead of
+// overflowing, and never more than the pass has batches (the slots beyond could not be used).
+int64_t prefetch_capacity(int64_t num_workers, int64_t prefetch_factor, int64_t num_batches) {
+  int64_t capacity = 0;
+  if (__builtin_mul_overflow(num_workers, prefetch_factor, &capacity)) capacity = INT64_MAX;
+  return std::min(capacity, num_batches);
 }
 
 }  // namespace
@@ -258,8 +269,12 @@ DataLoader::Iterator DataLoader::begin() {
     if (resume_->epoch == epoch) skip = resume_->batches_consumed;
     resume_.reset();
   }
-  auto pass = std::make_unique<Pass>(dataset_, sampler_->indices(), options_.batch_size, options_.drop_last, epoch,
-                                     options_.num_workers * options_.prefetch_factor);
+  std::vector<int64_t> indices = sampler_->indices();
+  const int64_t capacity = prefetch_capacity(options_.num_workers, options_.prefetch_factor,
+                                             batches_for(static_cast<int64_t>(indices.size()), options_.batch_size,
+                                                         options_.drop_last));
+  auto pass = std::make_unique<Pass>(dataset_, std::move(indices), options_.batch_size, options_.drop_last, epoch,
+                                     capacity);
   skip = std::min(skip, pass->num_batches);
   pass->next_produce = pass->next_consume = skip;
   if (options_.num_workers > 0 && skip < pass->num_batches) pass->start_workers(options_.num_workers);
@@ -287,8 +302,10 @@ void DataLoader::set_epoch(int64_t epoch) {
 }
 
 DataLoader::State DataLoader::state() const {
-  if (resume_) return *resume_;
   const int64_t epoch = sampler_->epoch();
+  // A pending resume holds only while the sampler is still at its epoch (the caller may have
+  // called sampler.set_epoch() since, which makes the next pass a fresh epoch).
+  if (resume_ && resume_->epoch == epoch) return *resume_;
   if (!started_ || epoch != pass_epoch_) return {epoch, 0};
   return {pass_epoch_, consumed_};
 }
@@ -301,6 +318,7 @@ void DataLoader::load_state(const State& state) {
   sampler_->set_epoch(state.epoch);
   resume_ = state;
   auto_advance_ = false;
+  started_ = false;  // what the last pass consumed no longer describes the next one
 }
 
 }  // namespace tandem::data

@@ -74,7 +74,8 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, const Options& opti
                num_replicas_ - 1, num_replicas_);
   // torch: num_samples = ceil((N - R) / R) when drop_last and R does not divide N, which is
   // floor(N / R) for every N >= 0; else ceil(N / R).
-  num_samples_ = options.drop_last ? dataset_size_ / num_replicas_ : (dataset_size_ + num_replicas_ - 1) / num_replicas_;
+  // (N + R - 1) / R would overflow for R near INT64_MAX; this form cannot.
+  num_samples_ = dataset_size_ / num_replicas_ + (!options.drop_last && dataset_size_ % num_replicas_ != 0 ? 1 : 0);
   total_size_ = num_samples_ * num_replicas_;
 }
 
@@ -88,10 +89,13 @@ std::vector<int64_t> DistributedSampler::indices() const {
     std::iota(all.begin(), all.end(), int64_t{0});
   }
   // 2 + 3. position p of the padded (or truncated) list is all[p % N]; rank r takes
-  // positions r, r + R, r + 2R, ... below total_size.
+  // positions r, r + R, r + 2R, ... below total_size (counted by j: p + R could overflow).
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(num_samples_));
-  for (int64_t p = rank_; p < total_size_; p += num_replicas_) mine.push_back(all[static_cast<size_t>(p % dataset_size_)]);
+  for (int64_t j = 0; j < num_samples_; ++j) {
+    const int64_t p = rank_ + j * num_replicas_;  // < total_size = num_samples * R
+    mine.push_back(all[static_cast<size_t>(p % dataset_size_)]);
+  }
   return mine;
 }
 
