@@ -90,6 +90,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
   build_buckets(order);
   ready_.assign(params_.size(), 0);
   locally_used_.assign(params_.size(), 0);
+  used_since_sync_.assign(params_.size(), 0);
 }
 
 Reducer::~Reducer() {
@@ -223,6 +224,9 @@ void Reducer::reset_iteration() {
   next_launch_ = 0;
   finalize_queued_ = false;
   unused_.clear();
+  // Only a completed synchronized iteration's order may shape the rebuild: one that threw (an
+  // unused parameter, a hook error) must not leave a partial order behind to be appended to.
+  if (!rebuilt_) ready_order_.clear();
   // World size 1 with the default hook: the average over one rank is the gradient itself, so the
   // collective is skipped and (unless grads are bucket views) gradients stay where autograd put
   // them — no copy into the bucket and back (PyTorch still calls a no-op all_reduce here).
@@ -268,13 +272,30 @@ void Reducer::on_gradient_ready(int64_t param) {
       }
     });
     if (sync_ && !options_.deterministic) {
+      // Unused in this pass, but a parameter may hold a gradient accumulated in earlier no_sync
+      // passes: that one is reduced like any other (PyTorch copies a defined grad too), else zeros.
+      // (World size 1 without bucket views reads no slot: grad() already is the result.)
+      NoGradGuard no_grad;
+      const bool slots_read = !(local_only_ && !options_.gradient_as_bucket_view);
       for (int64_t p : unused_) {
-        slot(p).zero_();
+        Tensor g = params_[p].tensor.grad();
+        Tensor s = slot(p);
+        if (!slots_read) {
+        } else if (!g.defined()) {
+          s.zero_();
+        } else if (!(g.storage() == s.storage() && g.offset() == s.offset())) {
+          s.copy_(g);
+          if (options_.gradient_as_bucket_view) params_[p].tensor.set_grad(s);
+        }
         mark_ready(p);
       }
     }
   }
-  if (!sync_ || options_.deterministic) return;  // no_sync: the gradient accumulates locally
+  if (options_.deterministic) return;
+  if (!sync_) {  // no_sync: the gradient accumulates locally, to be reduced at the next synced pass
+    used_since_sync_[param] = 1;
+    return;
+  }
   Param& p = params_[param];
   if (local_only_ && !options_.gradient_as_bucket_view) {
     locally_used_[param] = 1;
@@ -342,6 +363,9 @@ void Reducer::finalize() {
   expect_backward_ = false;
   finalize_queued_ = false;
   if (!sync_) return;
+  // Parameters that got a gradient in the no_sync passes of this step count as used here.
+  std::vector<char> used_before(params_.size(), 0);
+  used_before.swap(used_since_sync_);
 
   auto drain = [&] {
     for (auto& b : buckets_) {
@@ -384,7 +408,7 @@ void Reducer::finalize() {
   // Which parameters some rank used: a parameter unused everywhere keeps no gradient (as in PyTorch).
   std::vector<uint8_t> globally_used(params_.size(), 1);
   if (options_.find_unused_parameters || options_.static_graph) {
-    for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = static_cast<uint8_t>(locally_used_[i]);
+    for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = static_cast<uint8_t>(locally_used_[i] || used_before[i]);
     if (group_->size() > 1) {
       Tensor used = tensor(std::vector<double>(globally_used.begin(), globally_used.end()),
                            {static_cast<int64_t>(params_.size())}, kUInt8);

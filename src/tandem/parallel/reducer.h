@@ -145,9 +145,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool local_only_ = false;        // world size 1, default hook: no collective, no bucket copies
   std::vector<char> ready_;
   std::vector<char> locally_used_;
-  std::vector<int64_t> unused_;    // marked ready at the first hook (find_unused_parameters)
+  // Got a gradient in a no_sync backward since the last synchronized one: counts as locally used
+  // at the next synchronized backward (its accumulated gradient must be averaged, even if this
+  // pass does not use it). Cleared by each synchronized finalize.
+  std::vector<char> used_since_sync_;
+  // Marked ready at the first hook (find_unused_parameters): their slot gets the gradient they
+  // hold from earlier no_sync passes (zeros if none), as a used parameter's would.
+  std::vector<int64_t> unused_;
   int64_t next_launch_ = 0;
-  std::vector<int64_t> ready_order_;  // first synced iteration only, for the rebuild
+  std::vector<int64_t> ready_order_;  // the current synced iteration's, until the rebuild (reset per iteration)
   bool rebuilt_ = false;
   int64_t iteration_ = 0;
   std::chrono::steady_clock::time_point start_;

@@ -1,0 +1,436 @@
+// DDP and SyncBatchNorm corner cases against PyTorch's semantics (issue #7's review): gradient
+// accumulation under no_sync with parameters used in some micro-batches only, frozen and tied
+// parameters, the bucket rebuild, backward/forward call patterns, and SyncBatchNorm's options.
+// Every case compares with a single-process reference computed in the same rank; ranks are forked
+// over shm (dist::spawn) with a whole-test deadline.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/dist/spawn.h"
+#include "tandem/nn/layers.h"
+#include "tandem/nn/norm.h"
+#include "tandem/ops/elementwise.h"
+#include "tandem/ops/linalg.h"
+#include "tandem/ops/reduce.h"
+#include "tandem/ops/shape.h"
+#include "tandem/optim/sgd.h"
+#include "tandem/parallel/ddp.h"
+#include "tandem/parallel/sync_batch_norm.h"
+#include "util/test_util.h"
+
+namespace td = tandem;
+using td::Tensor;
+using td::dist::ProcessGroup;
+using td::parallel::DDPOptions;
+using td::parallel::DistributedDataParallel;
+
+namespace {
+
+// Runs fn(group) on n forked ranks over shm; rethrows the first rank's failure. The whole run
+// has a 60 s deadline (each case takes well under a second), every collective a 20 s timeout.
+void on_ranks(int n, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn) {
+  td::dist::SpawnOptions options;
+  options.timeout = std::chrono::seconds(60);
+  options.env["TANDEM_NUM_THREADS"] = "1";
+  options.env["OMP_NUM_THREADS"] = "1";
+  td::dist::spawn(
+      n,
+      [&](int) {
+        auto group = td::dist::init_process_group({.backend = "shm", .timeout = std::chrono::seconds(20)});
+        fn(group);
+        td::dist::destroy_process_group();
+      },
+      options);
+}
+
+[[noreturn]] void fail(const std::string& what) { throw td::Error(what); }
+
+// f32 sums of a handful of products in two orders (ranks, micro-batches): a few ulps.
+constexpr double kRtol = 1e-5, kAtol = 1e-6;
+
+void expect_close(const Tensor& got, const Tensor& want, const std::string& what) {
+  auto r = td::testing::all_close(got, want, kRtol, kAtol);
+  if (!r) fail(what + ": " + r.message());
+}
+
+// A gradient as values: an undefined one reads as zeros of the parameter's shape.
+Tensor grad_or_zeros(const Tensor& p) { return p.grad().defined() ? p.grad() : td::zeros(p.shape()); }
+
+// w1 -> frozen (requires_grad=false) -> w2 -> tanh -> w1 again (tied: the same tensor in a child
+// module), plus `extra` (a bias) only when asked. Registration order: w1, frozen, w2, extra,
+// tied.w (deduplicated to w1).
+struct Probe : td::nn::Module {
+  Probe() : Module("Probe") {
+    td::Generator gen(7);
+    w1 = register_parameter("w1", td::ops::mul(td::randn({4, 4}, td::kFloat32, &gen), 0.5));
+    frozen = register_parameter("frozen", td::ops::mul(td::randn({4, 4}, td::kFloat32, &gen), 0.5), false);
+    w2 = register_parameter("w2", td::ops::mul(td::randn({4, 4}, td::kFloat32, &gen), 0.5));
+    extra = register_parameter("extra", td::randn({4}, td::kFloat32, &gen));
+    tied = std::make_shared<td::nn::Module>("Tied");
+    tied->register_parameter("w", w1);
+    register_module("tied", tied);
+  }
+  Tensor run(const Tensor& x, bool use_extra) {
+    Tensor h = td::ops::linear(x, w1);
+    h = td::ops::linear(h, frozen);
+    h = td::ops::tanh(td::ops::linear(h, w2));
+    h = td::ops::matmul(h, w1);  // the tied second use
+    return use_extra ? td::ops::add(h, extra) : h;
+  }
+  Tensor w1, frozen, w2, extra;
+  std::shared_ptr<td::nn::Module> tied;
+};
+
+Tensor probe_input(int step, int rank, int micro) {
+  td::Generator gen(static_cast<uint64_t>(1000 + 100 * step + 10 * rank + micro));
+  return td::randn({3, 4}, td::kFloat32, &gen);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Gradient accumulation: k micro-batches, the first k-1 under no_sync, then one synchronized
+// backward. The optimizer must see (sum over ranks and micro-batches) / world — also for a
+// parameter used in some micro-batches only (find_unused_parameters), with bucket views, and with
+// zero_grad keeping the gradients (set_to_none=false). A parameter no rank used in the whole step
+// keeps no gradient (set_to_none) as in PyTorch.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, NoSyncAccumulationAveragesTheSumForEveryOptionAndUsePattern) {
+  // World size 1 too: there the reducer skips the collective but bucket views still alias slots.
+  for (int n : {1, 2}) on_ranks(n, [&](std::shared_ptr<ProcessGroup> group) {
+    const int world = group->size(), rank = group->rank(), k = 3, steps = 4;
+    // Whether rank r uses `extra` in micro-batch i of step s (the last micro-batch is the synced
+    // one). Step 0: r0 in a no_sync micro-batch only, r1 in the synced one; step 1: r0 synced,
+    // r1 no_sync; step 2: both in no_sync micro-batches only (unused in the synced pass on every
+    // rank); step 3: nobody.
+    auto uses_extra = [&](int s, int r, int i) {
+      if (s == 3) return false;
+      if (s == 2) return i == r;
+      return (i + r + s) % 3 == 0;
+    };
+    struct Case {
+      DDPOptions o;
+      bool set_to_none;
+      bool partial_use;
+    };
+    std::vector<Case> cases;
+    for (bool view : {false, true}) {
+      for (bool none : {true, false}) {
+        cases.push_back({DDPOptions{.find_unused_parameters = true, .gradient_as_bucket_view = view}, none, true});
+        cases.push_back({DDPOptions{.find_unused_parameters = false, .gradient_as_bucket_view = view}, none, false});
+      }
+    }
+    for (const Case& c : cases) {
+      const std::string what = fmt::format("find_unused={} bucket_view={} set_to_none={}", c.o.find_unused_parameters,
+                                           c.o.gradient_as_bucket_view, c.set_to_none);
+      auto model = std::make_shared<Probe>();
+      DistributedDataParallel ddp(model, group, c.o);
+      td::optim::SGD opt(model->parameters(), {.lr = 0.1});
+      auto reference = std::make_shared<Probe>();
+      td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1});
+      for (int s = 0; s < steps; ++s) {
+        opt.zero_grad(c.set_to_none);
+        ref_opt.zero_grad(c.set_to_none);
+        for (int i = 0; i < k; ++i) {
+          const bool extra = c.partial_use ? uses_extra(s, rank, i) : true;
+          Tensor x = probe_input(s, rank, i);
+          auto loss = [&] { return td::ops::mul(td::ops::sum(ddp.forward_with([&] { return model->run(x, extra); })), 1.0 / k); };
+          if (i + 1 < k) {
+            auto guard = ddp.no_sync();
+            loss().backward();
+          } else {
+            loss().backward();
+          }
+          // The reference: every rank's micro-batch i, scaled by 1 / world.
+          for (int r = 0; r < world; ++r) {
+            const bool e = c.partial_use ? uses_extra(s, r, i) : true;
+            td::ops::mul(td::ops::sum(reference->run(probe_input(s, r, i), e)), 1.0 / (k * world)).backward();
+          }
+        }
+        auto got = model->named_parameters(), want = reference->named_parameters();
+        for (size_t p = 0; p < got.size(); ++p) {
+          const std::string at = fmt::format("{}: step {} rank {} grad of '{}'", what, s, rank, got[p].first);
+          if (!got[p].second.requires_grad()) continue;
+          if (c.set_to_none && got[p].second.grad().defined() != want[p].second.grad().defined())
+            fail(at + (want[p].second.grad().defined() ? " is missing" : " should be undefined (unused on every rank)"));
+          expect_close(grad_or_zeros(got[p].second), grad_or_zeros(want[p].second), at);
+        }
+        opt.step();
+        ref_opt.step();
+      }
+      auto got = model->named_parameters(), want = reference->named_parameters();
+      for (size_t p = 0; p < got.size(); ++p) expect_close(got[p].second, want[p].second, what + " weights " + got[p].first);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Frozen and tied parameters: the frozen one is not in any bucket and keeps no gradient; the tied
+// one is in one bucket once, its gradient (from both uses) reduced once.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, FrozenParameterIsSkippedAndTiedParameterIsReducedOnce) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = std::make_shared<Probe>();
+    DistributedDataParallel ddp(model, group);
+    int64_t slots = 0;
+    for (const auto& b : ddp.reducer().bucket_indices()) slots += static_cast<int64_t>(b.size());
+    if (slots != 3) fail(fmt::format("buckets hold {} parameters, want 3 (w1, w2, extra)", slots));
+    int calls = 0;
+    ddp.register_comm_hook([&calls](ProcessGroup& g, td::parallel::GradBucket& b) {
+      calls += static_cast<int>(b.parameter_names.size());
+      return td::parallel::allreduce_hook(g, b);
+    });
+    auto reference = std::make_shared<Probe>();
+    for (int s = 0; s < 2; ++s) {
+      model->zero_grad();
+      reference->zero_grad();
+      calls = 0;
+      td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(s, rank, 0), true); })).backward();
+      for (int r = 0; r < 2; ++r) td::ops::mul(td::ops::sum(reference->run(probe_input(s, r, 0), true)), 0.5).backward();
+      if (calls != 3) fail(fmt::format("step {}: the hook reduced {} parameter slots, want 3", s, calls));
+      if (model->frozen.grad().defined()) fail("the frozen parameter got a gradient");
+      expect_close(model->w1.grad(), reference->w1.grad(), fmt::format("step {}: tied w1", s));
+      expect_close(model->w2.grad(), reference->w2.grad(), fmt::format("step {}: w2", s));
+      expect_close(model->extra.grad(), reference->extra.grad(), fmt::format("step {}: extra", s));
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bucket rebuild: layers run in the reverse of their registration order, so gradients become
+// ready in registration order — the opposite of the initial buckets. After the first iteration the
+// buckets follow the ready order, and training goes on equal to the single-process reference.
+// Also after a first synchronized iteration that failed (unused parameter), which must not leave
+// its partial ready order behind.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+struct Reversed : td::nn::Module {
+  Reversed() : Module("Reversed") {
+    td::manual_seed(3);
+    for (int i = 0; i < 3; ++i) layers.push_back(register_module(fmt::format("l{}", i), std::make_shared<td::nn::Linear>(4, 4)));
+  }
+  Tensor run(const Tensor& x, bool skip_first) {
+    Tensor h = x;
+    for (int i = 2; i >= (skip_first ? 1 : 0); --i) h = td::ops::tanh(layers[static_cast<size_t>(i)]->forward(h));
+    return h;
+  }
+  std::vector<std::shared_ptr<td::nn::Linear>> layers;
+};
+}  // namespace
+
+TEST(DDPSemantics, RebuiltBucketsFollowTheReadyOrderAndTrainingStaysEqual) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    for (bool fail_first : {false, true}) {
+      const std::string what = fail_first ? "after a failed first iteration" : "plain";
+      auto model = std::make_shared<Reversed>();
+      // Tiny caps: one parameter per bucket, so the bucket order is the parameter order.
+      DistributedDataParallel ddp(model, group, DDPOptions{.bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6});
+      td::optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+      auto reference = std::make_shared<Reversed>();
+      td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
+      if (fail_first) {
+        bool threw = false;
+        try {
+          td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(9, rank, 0), true); })).backward();
+        } catch (const td::Error& e) {
+          threw = std::string(e.what()).find("l0.weight") != std::string::npos;
+        }
+        if (!threw) fail("an unused l0 without find_unused_parameters should be an error naming it");
+        model->zero_grad();
+      }
+      const auto initial = ddp.reducer().bucket_indices();
+      for (int s = 0; s < 4; ++s) {
+        opt.zero_grad();
+        ref_opt.zero_grad();
+        td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(s, rank, 0), false); })).backward();
+        for (int r = 0; r < 2; ++r) td::ops::mul(td::ops::sum(reference->run(probe_input(s, r, 0), false)), 0.5).backward();
+        opt.step();
+        ref_opt.step();
+        auto got = model->named_parameters(), want = reference->named_parameters();
+        for (size_t p = 0; p < got.size(); ++p)
+          expect_close(got[p].second, want[p].second, fmt::format("{}: step {} '{}'", what, s, got[p].first));
+      }
+      // Initially reverse registration (l2 first); rebuilt: l0's parameters (ready first) first,
+      // every parameter exactly once.
+      const auto rebuilt = ddp.reducer().bucket_indices();
+      std::vector<int64_t> order, seen(6, 0);
+      for (const auto& b : rebuilt) {
+        for (int64_t p : b) {
+          order.push_back(p);
+          if (p < 0 || p >= 6 || seen[static_cast<size_t>(p)]++) fail(fmt::format("{}: parameter {} in two buckets", what, p));
+        }
+      }
+      if (order.size() != 6) fail(fmt::format("{}: {} bucket slots for 6 parameters", what, order.size()));
+      if (initial.front().front() != 5) fail(what + ": the initial first bucket should hold l2.bias");
+      if (!ddp.reducer().buckets_rebuilt() || order[0] > 1 || order[1] > 1 || order[4] < 4 || order[5] < 4)
+        fail(fmt::format("{}: rebuilt order {} does not follow the ready order (l0, l1, l2)", what, fmt::join(order, " ")));
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Call patterns (PyTorch 1.13 behaviour, checked with its DDP over gloo): two forwards then one
+// backward of both outputs reduces once (the sum of both uses); a second backward through the
+// same graph (retain_graph) is not reduced — PyTorch 1.13 silently keeps it local, and so do we;
+// an output that depends on no parameter leaves the gradients untouched and the next iteration
+// works. None of them hangs.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, ForwardTwiceBackwardTwiceAndParameterFreeOutputsBehaveAsInPyTorch) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const double r1 = group->rank() + 1.0;
+    for (bool find_unused : {false, true}) {
+      auto model = std::make_shared<td::nn::Linear>(3, 2);
+      DistributedDataParallel ddp(model, group, DDPOptions{.find_unused_parameters = find_unused});
+      Tensor x = td::full({2, 3}, r1);
+      // Forward twice, one backward: d/dW of sum over both = 2 * 2 rows * x: rank 0 4, rank 1 8 -> 6.
+      Tensor y1 = td::ops::sum(ddp(x)), y2 = td::ops::sum(ddp(x));
+      td::ops::add(y1, y2).backward();
+      expect_close(model->weight.grad(), td::full({2, 3}, 6.0), "forward twice");
+      // Backward twice: the first reduces (2 rows * x averaged: 3), the second accumulates locally.
+      model->zero_grad();
+      Tensor y = td::ops::sum(ddp(x));
+      y.backward(Tensor(), /*retain_graph=*/true);
+      expect_close(model->weight.grad(), td::full({2, 3}, 3.0), "first backward");
+      y.backward();
+      expect_close(model->weight.grad(), td::full({2, 3}, 3.0 + 2.0 * r1), "second backward (local, as PyTorch)");
+      // An output that depends on no parameter: nothing to reduce, gradients untouched.
+      model->zero_grad();
+      Tensor xx = td::full({2, 3}, r1).requires_grad_();
+      Tensor out;
+      {
+        td::NoGradGuard no_grad;
+        out = ddp(x);
+      }
+      td::ops::add(td::ops::sum(out), td::ops::sum(xx)).backward();
+      if (model->weight.grad().defined()) fail("a parameter-free output gave a parameter gradient");
+      td::ops::sum(ddp(x)).backward();
+      expect_close(model->weight.grad(), td::full({2, 3}, 3.0), "the iteration after a parameter-free output");
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// SyncBatchNorm's options against BatchNorm on the concatenated batch.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+// One training forward+backward of SyncBatchNorm on rank-sized slices vs BatchNorm on the whole
+// batch, then an eval forward; compares outputs, input gradients, summed parameter gradients and
+// running stats.
+void sync_bn_case(std::shared_ptr<ProcessGroup> group, const std::vector<int64_t>& sizes, td::nn::BatchNormOptions o,
+                  bool two_d, const std::string& what) {
+  const int rank = group->rank();
+  int64_t total = 0, start = 0;
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    if (static_cast<int>(r) < rank) start += sizes[r];
+    total += sizes[r];
+  }
+  const int64_t n = sizes[static_cast<size_t>(rank)], C = 3;
+  const td::Shape shape = two_d ? td::Shape{total, C} : td::Shape{total, C, 2, 2};
+  td::Generator gen(11);
+  Tensor x = td::ops::add(td::ops::mul(td::randn(shape, td::kFloat32, &gen), 2.0), 0.5);
+  Tensor gy = td::randn(shape, td::kFloat32, &gen);
+  auto make = [&](bool sync) -> std::shared_ptr<td::nn::BatchNorm> {
+    if (sync) return std::make_shared<td::parallel::SyncBatchNorm>(C, group, o, two_d ? 2 : 4);
+    if (two_d) return std::make_shared<td::nn::BatchNorm1d>(C, o);
+    return std::make_shared<td::nn::BatchNorm2d>(C, o);
+  };
+  auto sync = make(true), bn = make(false);
+  for (int it = 0; it < 2; ++it) {  // two iterations: the running stats' second update too
+    Tensor xr = x.narrow(0, start, n).contiguous().requires_grad_();
+    Tensor y = sync->forward(xr);
+    td::ops::sum(td::ops::mul(y, gy.narrow(0, start, n).contiguous())).backward();
+    Tensor xg = x.clone().requires_grad_();
+    Tensor yg = bn->forward(xg);
+    td::ops::sum(td::ops::mul(yg, gy)).backward();
+    const std::string at = fmt::format("{} (iteration {})", what, it);
+    expect_close(y, yg.narrow(0, start, n), at + ": forward");
+    expect_close(xr.grad(), xg.grad().narrow(0, start, n), at + ": input gradient");
+    if (o.affine) {
+      Tensor gw = sync->weight.grad().clone(), gb = sync->bias.grad().clone();
+      group->all_reduce(gw)->wait();
+      group->all_reduce(gb)->wait();
+      expect_close(gw, bn->weight.grad(), at + ": weight gradient");
+      expect_close(gb, bn->bias.grad(), at + ": bias gradient");
+      sync->zero_grad();
+      bn->zero_grad();
+    }
+    if (o.track_running_stats) {
+      expect_close(sync->running_mean, bn->running_mean, at + ": running_mean");
+      expect_close(sync->running_var, bn->running_var, at + ": running_var");
+      if (sync->num_batches_tracked.data_ptr<int64_t>()[0] != it + 1) fail(at + ": num_batches_tracked");
+    }
+  }
+  // Eval: running stats when tracked, else this rank's own batch statistics (PyTorch: no sync).
+  sync->eval();
+  bn->eval();
+  Tensor xr = x.narrow(0, start, n).contiguous();
+  Tensor want = o.track_running_stats ? bn->forward(x).narrow(0, start, n) : bn->forward(xr);
+  if (!o.track_running_stats && n * (two_d ? 1 : 4) < 2) return;  // one value per channel: undefined
+  expect_close(sync->forward(xr), want, what + ": eval forward");
+}
+}  // namespace
+
+TEST(DDPSemantics, SyncBatchNormOptionsMatchBatchNormOnTheGlobalBatch) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    sync_bn_case(group, {1, 4}, {}, true, "rank 0 has one sample (N, C)");
+    sync_bn_case(group, {1, 3}, {}, false, "rank 0 has one sample (N, C, H, W)");
+    sync_bn_case(group, {0, 5}, {}, false, "rank 0 has an empty batch");
+    sync_bn_case(group, {2, 5}, {.affine = false}, false, "affine=false");
+    sync_bn_case(group, {2, 5}, {.track_running_stats = false}, false, "track_running_stats=false");
+    sync_bn_case(group, {3, 2}, {.momentum = 0.5}, true, "momentum 0.5");
+  });
+}
+
+TEST(DDPSemantics, SyncBatchNormWithOneValuePerChannelOverTheGroupIsAnError) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    auto sync = std::make_shared<td::parallel::SyncBatchNorm>(3, group, td::nn::BatchNormOptions{}, 2);
+    Tensor x = td::ones({group->rank() == 0 ? 1 : 0, 3});
+    try {
+      sync->forward(x);
+    } catch (const td::ValueError& e) {
+      if (std::string(e.what()).find("more than 1 value per channel") != std::string::npos) return;
+      throw;
+    }
+    fail("one value per channel over the whole group should be an error");
+  });
+}
+
+TEST(DDPSemantics, ConvertSyncBatchNormKeepsValuesAndTrainingFlag) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    auto net = std::make_shared<td::nn::Sequential>();
+    auto bn1 = std::make_shared<td::nn::BatchNorm1d>(3);
+    auto bn2 = std::make_shared<td::nn::BatchNorm1d>(3);
+    net->push_back(bn1);
+    net->push_back(bn2);
+    {
+      td::NoGradGuard no_grad;
+      bn1->weight.fill_(2.0);
+      bn1->running_mean.fill_(0.25);
+      bn1->running_var.fill_(4.0);
+      bn1->num_batches_tracked.data_ptr<int64_t>()[0] = 7;
+    }
+    bn2->eval();
+    const auto before = net->state_dict();
+    if (td::parallel::convert_sync_batchnorm(*net, group) != 2) fail("expected 2 converted layers");
+    const auto after = net->state_dict();
+    for (size_t i = 0; i < before.size(); ++i) {
+      if (after[i].second.data_ptr() != before[i].second.data_ptr()) fail("'" + before[i].first + "' was replaced");
+    }
+    if (!bn1->is_training() || bn2->is_training()) fail("the training flags changed");
+    // The eval layer normalizes with its running stats (no collective: rank 1 does not call it).
+    if (group->rank() == 0) {
+      Tensor y = bn2->forward(td::full({2, 3}, 3.0));
+      expect_close(y, td::full({2, 3}, 3.0 / std::sqrt(1.0 + 1e-5)), "eval after convert");
+    }
+  });
+}
