@@ -215,6 +215,18 @@ TEST(FashionMnist, SyntheticRootAndErrors) {
   write_file(d + "/train-images-idx3-ubyte", images);
   write_file(d + "/train-labels-idx1-ubyte", two_labels);
   EXPECT_THROW(td::data::fashion_mnist("train", d), td::IOError);
+  // A valid IDX file of int32 values where the images belong: an IOError naming that file (the
+  // dataset would otherwise fail later with a dtype error that names no file).
+  Bytes int_images = idx_header(0x0C, {2, 28, 28});
+  int_images.resize(int_images.size() + 2 * 28 * 28 * 4, 0);
+  const std::string int_path = write_file(d + "/train-images-idx3-ubyte", int_images);
+  try {
+    td::data::fashion_mnist("train", d);
+    ADD_FAILURE() << "int32 images accepted";
+  } catch (const td::IOError& e) {
+    EXPECT_NE(std::string(e.what()).find(int_path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("unsigned bytes"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(td::data::fashion_mnist("bogus", d), td::ValueError);
   EXPECT_THROW(td::data::fashion_mnist("bogus"), td::ValueError);
   EXPECT_THROW(td::data::fashion_mnist("Train"), td::ValueError);

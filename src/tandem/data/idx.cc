@@ -121,7 +121,11 @@ ImageClassification fashion_mnist(const std::string& split, const std::string& r
                               root, stem));
   };
   ImageClassification ds;
-  ds.images = read_idx(find(prefix + "-images-idx3-ubyte"));
+  const std::string images_path = find(prefix + "-images-idx3-ubyte");
+  ds.images = read_idx(images_path);
+  TANDEM_CHECK(ds.images.dtype() == kUInt8, IOError,
+               "fashion_mnist: {} holds {} values; Fashion-MNIST images are unsigned bytes (IDX type 0x08)",
+               images_path, dtype_name(ds.images.dtype()));
   ds.labels = read_idx(find(prefix + "-labels-idx1-ubyte")).to(kInt64);
   TANDEM_CHECK(ds.images.dim() == 3 && ds.labels.dim() == 1 && ds.images.size(0) == ds.labels.size(0), IOError,
                "fashion_mnist: images {} and labels {} in {} do not match", shape_str(ds.images.shape()),
