@@ -378,4 +378,10 @@ TEST(Synthetic, DeterministicShapesAndRanges) {
   }
   EXPECT_THROW(td::data::Synthetic({.size = -1}), td::ValueError);
   EXPECT_THROW(img.get(32), td::ValueError);
+  // uint8 ids: 256 classes fit (ids 0..255), 257 would wrap 256 to 0.
+  td::data::Synthetic bytes({.size = 4, .input_shape = {64}, .input_dtype = td::kUInt8, .num_classes = 256});
+  for (double v : bytes.get(1)[0].to_vector()) EXPECT_LT(v, 256);
+  EXPECT_THROW(td::data::Synthetic({.input_shape = {8}, .input_dtype = td::kUInt8, .num_classes = 257}), td::DTypeError);
+  EXPECT_THROW(td::data::Synthetic({.input_shape = {8}, .input_dtype = td::kInt32, .num_classes = int64_t{1} << 32}),
+               td::DTypeError);
 }

@@ -1,5 +1,7 @@
 #include "tandem/data/synthetic.h"
 
+#include <cstdint>
+
 #include "tandem/core/rng.h"
 
 namespace tandem::data {
@@ -13,6 +15,12 @@ Synthetic::Synthetic(const Options& options) : options_(options) {
     }
   }
   TANDEM_CHECK(options.input_dtype != kBool, DTypeError, "Synthetic: input_dtype bool is not supported");
+  // Integer inputs are ids in [0, num_classes): the largest must fit the dtype, or they would wrap.
+  const int64_t max_id = options.input_dtype == kUInt8 ? 255 : options.input_dtype == kInt32 ? INT32_MAX : INT64_MAX;
+  TANDEM_CHECK(is_floating(options.input_dtype) || options.num_classes - 1 <= max_id, DTypeError,
+               "Synthetic: input ids go up to num_classes - 1 = {}, which {} cannot hold (largest {}); use a wider "
+               "input_dtype (int64) or fewer classes",
+               options.num_classes - 1, dtype_name(options.input_dtype), max_id);
 }
 
 Example Synthetic::get(int64_t i) const {

@@ -26,7 +26,7 @@ class Synthetic : public Dataset {
  public:
   using Options = SyntheticOptions;
   // Throws ValueError when size < 0, a shape has a negative extent, or num_classes < 1;
-  // DTypeError for a boolean input dtype.
+  // DTypeError for a boolean input dtype, or an integer one that cannot hold num_classes - 1.
   explicit Synthetic(const Options& options = {});
 
   int64_t size() const override { return options_.size; }
