@@ -434,3 +434,58 @@ TEST(DDPSemantics, ConvertSyncBatchNormKeepsValuesAndTrainingFlag) {
     }
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// Eval mode (PyTorch 1.13, checked over gloo): a backward through DDP's output reduces the
+// gradients whatever the module's training flag (fine-tuning with frozen BatchNorm statistics
+// runs in eval mode), and the first forward after a synchronized one broadcasts rank 0's buffers,
+// so every rank evaluates with the same running statistics.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, EvalModeReducesGradientsAndUsesRankZerosBuffers) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto make = [] {
+      td::manual_seed(5);
+      auto net = std::make_shared<td::nn::Sequential>();
+      net->push_back(std::make_shared<td::nn::Linear>(3, 2));
+      net->push_back(std::make_shared<td::nn::BatchNorm1d>(2));
+      return net;
+    };
+    auto model = make();
+    DistributedDataParallel ddp(model, group);
+    auto input = [](int r) {
+      td::Generator gen(static_cast<uint64_t>(40 + r));
+      return td::ops::add(td::ops::mul(td::randn({4, 3}, td::kFloat32, &gen), r + 1.0), static_cast<double>(r));
+    };
+    td::ops::sum(ddp(input(rank))).backward();  // training: each rank's BatchNorm updates its own stats
+    auto bn = std::dynamic_pointer_cast<td::nn::BatchNorm>((*model)[1]);
+    auto rank0 = make();  // rank 0's module after the same training forward
+    td::ops::sum(rank0->forward(input(0))).backward();
+    auto bn0 = std::dynamic_pointer_cast<td::nn::BatchNorm>((*rank0)[1]);
+
+    ddp.eval();
+    model->zero_grad();
+    {
+      td::NoGradGuard no_grad;
+      ddp(td::ones({1, 3}));
+    }
+    expect_close(bn->running_mean, bn0->running_mean, "eval: running_mean is rank 0's");
+    expect_close(bn->running_var, bn0->running_var, "eval: running_var is rank 0's");
+
+    // Eval-mode training step: the gradient is the average of both ranks' (running stats fixed).
+    td::ops::sum(ddp(input(rank))).backward();
+    auto reference = make();
+    reference->eval();
+    {
+      td::NoGradGuard no_grad;
+      auto rb = std::dynamic_pointer_cast<td::nn::BatchNorm>((*reference)[1]);
+      rb->running_mean.copy_(bn0->running_mean);
+      rb->running_var.copy_(bn0->running_var);
+    }
+    for (int r = 0; r < 2; ++r) td::ops::mul(td::ops::sum(reference->forward(input(r))), 0.5).backward();
+    auto got = model->named_parameters(), want = reference->named_parameters();
+    for (size_t p = 0; p < got.size(); ++p)
+      expect_close(got[p].second.grad(), want[p].second.grad(), "eval-mode gradient of " + got[p].first);
+  });
+}

@@ -182,11 +182,14 @@ void DistributedDataParallel::before_forward() {
                  name, dtype_name(dtypes_[i].second), dtype_name(t.dtype()));
     ++i;
   }
-  if (!is_training()) return;
-  if (options_.broadcast_buffers && group_->size() > 1) {
+  // As PyTorch: buffers are broadcast at a forward that follows a synchronized one (or the
+  // construction), whatever the training flag — so the first eval forward after training evaluates
+  // with rank 0's running statistics on every rank — and not after a no_sync or no-grad forward.
+  if (options_.broadcast_buffers && require_forward_param_sync_ && group_->size() > 1) {
     NoGradGuard no_grad;
     broadcast_tensors(module_->buffers());
   }
+  if (!is_training()) return;
   ++forwards_;
   if (options_.check_replicas_every > 0 && forwards_ % options_.check_replicas_every == 0) check_replicas();
 }
@@ -198,7 +201,11 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
 Tensor DistributedDataParallel::forward_with(const std::function<Tensor()>& fn) {
   before_forward();
   Tensor out = fn();
-  if (is_training() && autograd::is_grad_enabled()) reducer_->prepare_for_backward(require_sync_, out);
+  // Armed whenever a backward may follow, in eval mode too (fine-tuning with frozen BatchNorm
+  // statistics): PyTorch reduces such gradients; skipping them would leave them rank-local.
+  const bool grad = autograd::is_grad_enabled();
+  if (grad) reducer_->prepare_for_backward(require_sync_, out);
+  require_forward_param_sync_ = grad && require_sync_;
   return out;
 }
 

@@ -23,7 +23,7 @@ namespace tandem::parallel {
 struct DDPOptions {
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;          // torch's _DEFAULT_FIRST_BUCKET_BYTES
-  bool broadcast_buffers = true;         // rank 0's buffers (BatchNorm running stats) at every forward
+  bool broadcast_buffers = true;         // rank 0's buffers (BatchNorm running stats) at a forward after a synced one
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
@@ -95,6 +95,9 @@ class DistributedDataParallel : public nn::Module {
   std::shared_ptr<Reducer> reducer_;
   std::vector<std::pair<std::string, DType>> dtypes_;  // at construction, to detect a later cast
   bool require_sync_ = true;
+  // Whether the next forward broadcasts buffers: after construction and after a forward whose
+  // backward reduces (PyTorch's require_forward_param_sync).
+  bool require_forward_param_sync_ = true;
   int64_t forwards_ = 0;
   const optim::Optimizer* optimizer_ = nullptr;
 };
