@@ -1,7 +1,8 @@
 // safetensors files (core/safetensors.h) and module checkpoints (nn/serialize.h): bit-exact round
 // trips of every dtype, one file compared byte for byte with hand-computed bytes, every kind of
 // corrupt header refused with an IOError naming the file and the problem, truncation, bit flips
-// and random garbage that must never crash, atomic saves, and loading into a different model.
+// and random garbage that must never crash, atomic saves, loading into a different model, tied
+// weights stored under one name or both, and the keys a non-strict load reports.
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/core/safetensors.h"
+#include "tandem/nn/layers.h"
 #include "tandem/nn/serialize.h"
 #include "util/test_util.h"
 
@@ -247,6 +249,11 @@ TEST(Safetensors, ReadsWhatOtherWritersMayProduce) {
   // No tensors at all.
   write_file(path, make_file("{}", ""));
   EXPECT_TRUE(td::load_safetensors(path).tensors.empty());
+
+  // An empty tensor with the largest extent whose strides still fit int64 (the one just past it
+  // is refused in corrupt_cases).
+  write_file(path, make_file(R"({"e":{"dtype":"F32","shape":[0,9223372036854775807],"data_offsets":[0,0]}})", ""));
+  EXPECT_EQ(td::load_safetensors(path).at("e").shape(), (Shape{0, std::numeric_limits<int64_t>::max()}));
 }
 
 TEST(Safetensors, TiedTensorsAreWrittenUnderEachName) {
@@ -357,6 +364,9 @@ std::vector<Corrupt> corrupt_cases() {
        "\"shape\" must be a list of non-negative integers, got an array"},
       {"shape overflows", file(R"({"x":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}})", f32_bytes(2)),
        "shape [4294967296, 4294967296, 16] has too many elements"},
+      {"empty tensor whose strides overflow",
+       file(R"({"x":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}})", ""),
+       "tensor \"x\": shape [0, 4611686018427387904, 4611686018427387904] is too large: its strides overflow int64"},
       {"three offsets", file(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}})", f32_bytes(2)),
        "\"data_offsets\" must be a list of two non-negative integers, got more than two"},
       {"one offset", file(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[8]}})", f32_bytes(2)),
@@ -523,6 +533,12 @@ Named snapshot(const nn::Module& m) {
   return out;
 }
 
+std::vector<std::string> names_of(const Named& named) {
+  std::vector<std::string> out;
+  for (const auto& [n, t] : named) out.push_back(n);
+  return out;
+}
+
 void expect_same_state(const nn::Module& m, const Named& expected) {
   const Named now = m.state_dict();
   ASSERT_EQ(now.size(), expected.size());
@@ -611,6 +627,111 @@ TEST(Serialize, DifferentModelIsRefusedBeforeAnythingChanges) {
   const Named a_before = snapshot(*a);
   EXPECT_THROW(nn::load_state_dict_file(*a, path), td::IOError);
   expect_same_state(*a, a_before);
+}
+
+// An embedding and an output layer sharing one weight (tied), or two separate weights of the
+// same names and shapes (untied).
+struct TiedModel : nn::Module {
+  explicit TiedModel(bool tied) : Module("TiedModel") {
+    emb = register_module("emb", std::make_shared<nn::Embedding>(5, 4));
+    head = register_module("head", std::make_shared<nn::Module>("Head"));
+    head_weight = head->register_parameter("weight", tied ? emb->weight : td::randn({5, 4}));
+  }
+  std::shared_ptr<nn::Embedding> emb;
+  std::shared_ptr<nn::Module> head;
+  Tensor head_weight;
+};
+
+TEST(Serialize, TiedWeightLoadsFromEitherOfItsNames) {
+  // Python's safetensors.torch.save_model stores a shared tensor once, under one name, with
+  // metadata {"other name": "kept name"} (save_file refuses shared tensors); Tandem stores it
+  // under every name. Both must load strictly into a tied model.
+  td::testing::TempDir dir;
+  TiedModel a(true);
+  ASSERT_TRUE(a.head_weight.is_same(a.emb->weight));
+  EXPECT_EQ(names_of(a.state_dict()), (std::vector<std::string>{"emb.weight", "head.weight"}));
+  const Tensor w = td::randn({5, 4});
+  const std::string both = dir.path() + "/both.safetensors";
+  nn::save_state_dict(a, both);
+  const std::string emb_only = dir.path() + "/emb_only.safetensors";
+  td::save_safetensors(emb_only, {{"emb.weight", w}}, {{"head.weight", "emb.weight"}});
+  const std::string head_only = dir.path() + "/head_only.safetensors";
+  td::save_safetensors(head_only, {{"head.weight", w}});
+
+  TiedModel b(true);
+  nn::load_state_dict_file(b, both);
+  EXPECT_EQ(bytes_of(b.emb->weight), bytes_of(a.emb->weight));
+  for (const std::string& path : {emb_only, head_only}) {
+    SCOPED_TRACE(path);
+    TiedModel c(true);
+    const Tensor handle = c.emb->weight;
+    nn::IncompatibleKeys keys{{"stale"}, {"stale"}};
+    nn::load_state_dict_file(c, path, /*strict=*/true, &keys);
+    EXPECT_TRUE(keys.missing_keys.empty() && keys.unexpected_keys.empty());
+    EXPECT_EQ(bytes_of(c.emb->weight), bytes_of(w));
+    EXPECT_TRUE(c.emb->weight.is_same(handle) && c.head_weight.is_same(handle));  // still one tensor
+  }
+
+  // An untied model needs both names: the one-name file is refused under strict (model unchanged)
+  // and loads its one tensor otherwise, reporting the other as missing.
+  TiedModel u(false);
+  const Named before = snapshot(u);
+  try {
+    nn::load_state_dict_file(u, emb_only);
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const td::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing keys: \"head.weight\""), std::string::npos) << e.what();
+  }
+  expect_same_state(u, before);
+  nn::IncompatibleKeys keys;
+  nn::load_state_dict_file(u, emb_only, /*strict=*/false, &keys);
+  EXPECT_EQ(keys.missing_keys, std::vector<std::string>{"head.weight"});
+  EXPECT_TRUE(keys.unexpected_keys.empty());
+  EXPECT_EQ(bytes_of(u.emb->weight), bytes_of(w));
+  EXPECT_EQ(bytes_of(u.head_weight), bytes_of(before[1].second));
+}
+
+TEST(Serialize, NonStrictLoadReportsMissingAndUnexpectedKeys) {
+  // PyTorch's load_state_dict(strict=False) returns the keys it did not match; a checkpoint whose
+  // names all differ (say, saved with a "module." prefix) then shows up as such, not as a silent
+  // no-op.
+  td::testing::TempDir dir;
+  auto shallow = nn::models::mlp({.in_features = 6, .hidden = {5}, .num_classes = 3});
+  auto deep = nn::models::mlp({.in_features = 6, .hidden = {5, 3}, .num_classes = 3});
+  const std::string shallow_path = dir.path() + "/shallow.safetensors", deep_path = dir.path() + "/deep.safetensors";
+  nn::save_state_dict(*shallow, shallow_path);
+  nn::save_state_dict(*deep, deep_path);
+
+  nn::IncompatibleKeys keys;
+  nn::load_state_dict_file(*deep, shallow_path, /*strict=*/false, &keys);
+  EXPECT_EQ(keys.missing_keys, (std::vector<std::string>{"5.weight", "5.bias"}));
+  EXPECT_TRUE(keys.unexpected_keys.empty());
+  nn::load_state_dict_file(*shallow, deep_path, /*strict=*/false, &keys);
+  EXPECT_TRUE(keys.missing_keys.empty());
+  EXPECT_EQ(keys.unexpected_keys, (std::vector<std::string>{"5.weight", "5.bias"}));
+  nn::load_state_dict_file(*shallow, shallow_path, /*strict=*/true, &keys);
+  EXPECT_TRUE(keys.missing_keys.empty() && keys.unexpected_keys.empty());
+
+  // Module::load_state_dict directly: every name prefixed, nothing matches, all of it reported.
+  nn::StateDict prefixed;
+  for (const auto& [name, t] : shallow->state_dict()) prefixed.emplace_back("module." + name, td::zeros(t.shape()));
+  const Named before = snapshot(*shallow);
+  const nn::IncompatibleKeys none = shallow->load_state_dict(prefixed, /*strict=*/false);
+  EXPECT_EQ(none.missing_keys, (std::vector<std::string>{"1.weight", "1.bias", "3.weight", "3.bias"}));
+  EXPECT_EQ(none.unexpected_keys, names_of(prefixed));
+  expect_same_state(*shallow, before);
+
+  // An undefined tensor in a hand-made state dict: ValueError naming it, nothing copied.
+  nn::StateDict with_hole = shallow->state_dict();
+  for (auto& [name, t] : with_hole) t = td::zeros(t.shape());
+  with_hole.back().second = Tensor();
+  try {
+    shallow->load_state_dict(with_hole);
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const td::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"3.bias\" is an undefined tensor"), std::string::npos) << e.what();
+  }
+  expect_same_state(*shallow, before);
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 // with .venv-test/bin/python from scripts/install-deps.sh): Tandem's files load in
 // safetensors.torch / safetensors.numpy bit for bit, Python's writer produces the same bytes as
 // Tandem's, files written by safetensors.torch (bfloat16 and float16 included) load in Tandem bit
-// for bit, and the MLP's state dict saved by Tandem drives torch's equivalent nn.Sequential to the
-// same logits.
+// for bit, the MLP's state dict saved by Tandem drives torch's equivalent nn.Sequential to the
+// same logits, and the W3 GPT and a model with tied weights go both ways through
+// load_state_dict(strict) bit for bit (Python's save_model stores a shared tensor once, Tandem under
+// each name).
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -19,6 +21,8 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/core/safetensors.h"
+#include "tandem/nn/layers.h"
+#include "tandem/nn/models/gpt.h"
 #include "tandem/nn/serialize.h"
 #include "util/test_util.h"
 
@@ -179,6 +183,63 @@ TEST(SafetensorsOracle, MlpStateDictDrivesTorchToTheSameLogits) {
   auto other = td::nn::models::mlp();
   td::NoGradGuard no_grad;
   EXPECT_FALSE(td::testing::all_close((*other)(x), expected, 1e-5, 2e-5));
+}
+
+// Every tensor of `module`'s state dict equals (dtype, shape, bits) the one of its name in `dir`.
+void expect_state_equals_files(const td::nn::Module& module, const std::string& dir) {
+  const Named files = td::testing::load_tensors(dir);
+  const Named state = module.state_dict();
+  ASSERT_EQ(state.size(), files.size()) << dir;
+  for (const auto& [name, t] : state) {
+    SCOPED_TRACE(name);
+    const Tensor want = td::testing::find_tensor(files, name);
+    EXPECT_EQ(t.dtype(), want.dtype());
+    EXPECT_EQ(t.shape(), want.shape());
+    EXPECT_EQ(bytes_of(t), bytes_of(want));
+  }
+}
+
+// emb.weight and head.weight: one tensor under two names, as in Tied of safetensors_roundtrip.py.
+struct TiedModel : td::nn::Module {
+  TiedModel() : Module("TiedModel") {
+    emb = register_module("emb", std::make_shared<td::nn::Embedding>(5, 4));
+    head = register_module("head", std::make_shared<td::nn::Module>("Linear"));
+    head->register_parameter("weight", emb->weight);
+  }
+  std::shared_ptr<td::nn::Embedding> emb;
+  std::shared_ptr<td::nn::Module> head;
+};
+
+TEST(SafetensorsOracle, GptAndTiedWeightsGoBothWaysThroughLoadStateDict) {
+  REQUIRE_SAFETENSORS_PYTHON();
+  td::testing::TempDir dir;
+  const td::nn::models::GptOptions o{.vocab_size = 64, .context = 16, .n_layer = 2, .d_model = 32, .n_head = 4};
+  td::manual_seed(3);
+  auto gpt = td::nn::models::gpt(o);
+  const std::string gpt_file = dir.path() + "/gpt.safetensors", tied_file = dir.path() + "/tied.safetensors";
+  td::nn::save_state_dict(*gpt, gpt_file, {{"format", "pt"}});
+  TiedModel tied;
+  td::nn::save_state_dict(tied, tied_file);
+  ASSERT_EQ(run_py({"models", gpt_file, tied_file, std::to_string(o.n_head), dir.path()}), 0);
+
+  // Tandem -> torch: loaded strictly, bit for bit, the tied pair still one tensor (checked there).
+  expect_state_equals_files(*gpt, dir.path() + "/gpt_loaded");
+  EXPECT_EQ(bytes_of(td::testing::find_tensor(td::testing::load_tensors(dir.path() + "/tied_loaded"), "emb.weight")),
+            bytes_of(tied.emb->weight));
+
+  // torch -> Tandem: save_file's GPT and save_model's tied model (one name, "head.weight" only as
+  // metadata) load strictly, bit for bit, into fresh models (other seeds, so a no-op load fails).
+  td::manual_seed(4);
+  auto gpt2 = td::nn::models::gpt(o);
+  td::nn::load_state_dict_file(*gpt2, dir.path() + "/torch_gpt.safetensors");
+  expect_state_equals_files(*gpt2, dir.path() + "/torch_gpt_expect");
+  TiedModel tied2;
+  const std::string torch_tied = dir.path() + "/torch_tied.safetensors";
+  EXPECT_EQ(td::load_safetensors(torch_tied).tensors.size(), 1u) << "save_model stores a shared tensor once";
+  td::nn::load_state_dict_file(tied2, torch_tied);
+  const Tensor want = td::testing::find_tensor(td::testing::load_tensors(dir.path() + "/torch_tied_expect"), "emb.weight");
+  EXPECT_EQ(bytes_of(tied2.emb->weight), bytes_of(want));
+  EXPECT_TRUE(tied2.head->named_parameters()[0].second.is_same(tied2.emb->weight));
 }
 
 }  // namespace

@@ -20,6 +20,16 @@ usage:
       Builds nn.Sequential(Flatten, Linear(784,1024), ReLU, Linear(1024,1024), ReLU,
       Linear(1024,10)), loads FILE into it with load_state_dict(strict=True), runs it on IN_DIR's
       "x" and writes "logits" to OUT_DIR.
+  safetensors_roundtrip.py models GPT_FILE TIED_FILE N_HEAD OUT_DIR
+      GPT_FILE is the W3 GPT's state dict saved by Tandem: loads it with load_file +
+      load_state_dict(strict=True) into nn_oracle.GPT (sizes from the file) and writes the loaded
+      state dict to OUT_DIR/gpt_loaded; writes a fresh seeded GPT with save_file to
+      OUT_DIR/torch_gpt.safetensors and its state dict to OUT_DIR/torch_gpt_expect. TIED_FILE is a
+      Tandem module with "emb.weight" and "head.weight" sharing one tensor (stored under both
+      names): loads it into Tied (the same two modules, head.weight = emb.weight) strictly, checks
+      that the two are still one tensor, and writes it to OUT_DIR/tied_loaded; writes a fresh Tied
+      with save_model (which stores the shared tensor once) to OUT_DIR/torch_tied.safetensors and
+      its weight to OUT_DIR/torch_tied_expect.
 Exit status 0 when everything matched, 1 (with the differences printed) otherwise.
 """
 
@@ -127,8 +137,46 @@ def mlp(path, in_dir, out_dir):
     return []
 
 
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def models(gpt_file, tied_file, n_head, out_dir):
+    import nn_oracle  # the W3 definition the models oracle test compares against
+
+    problems = []
+    state = safetensors.torch.load_file(gpt_file)
+    vocab, d = state["tok_emb.weight"].shape
+    ctx = state["pos_emb.weight"].shape[0]
+    n_layer = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
+    gpt = nn_oracle.GPT(vocab, ctx, n_layer, d, int(n_head))
+    gpt.load_state_dict(state, strict=True)
+    tensor_io.save(f"{out_dir}/gpt_loaded", gpt.state_dict())
+    torch.manual_seed(5)
+    fresh = nn_oracle.GPT(vocab, ctx, n_layer, d, int(n_head))
+    safetensors.torch.save_file(fresh.state_dict(), f"{out_dir}/torch_gpt.safetensors")
+    tensor_io.save(f"{out_dir}/torch_gpt_expect", fresh.state_dict())
+
+    tied = Tied()
+    tied.load_state_dict(safetensors.torch.load_file(tied_file), strict=True)
+    if tied.head.weight is not tied.emb.weight:
+        problems.append("Tied: head.weight and emb.weight are no longer one tensor")
+    tensor_io.save(f"{out_dir}/tied_loaded", {"emb.weight": tied.emb.weight.detach()})
+    torch.manual_seed(6)
+    fresh_tied = Tied()
+    safetensors.torch.save_model(fresh_tied, f"{out_dir}/torch_tied.safetensors")
+    tensor_io.save(f"{out_dir}/torch_tied_expect", {"emb.weight": fresh_tied.emb.weight.detach()})
+    return problems
+
+
 def main(argv):
-    modes = {"check": check, "rewrite": rewrite, "write": write, "mlp": mlp}
+    modes = {"check": check, "rewrite": rewrite, "write": write, "mlp": mlp, "models": models}
     if len(argv) < 2 or argv[1] not in modes:
         print(__doc__)
         return 2

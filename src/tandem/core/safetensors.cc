@@ -455,6 +455,13 @@ SafetensorsFile load_safetensors(const std::string& path) {
         throw fail(fmt::format("tensor \"{}\": shape {} has too many elements", e.name, shape_str(e.shape)));
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(element_size(*dtype)), &nbytes))
       throw fail(fmt::format("tensor \"{}\": shape {} has too many elements", e.name, shape_str(e.shape)));
+    // A tensor's contiguous strides multiply its extents, a 0 counted as 1: an empty tensor of
+    // shape [0, 2^62, 2^62] has no bytes, but its strides would overflow int64.
+    int64_t stride_span = 1;
+    for (int64_t s : e.shape)
+      if (__builtin_mul_overflow(stride_span, std::max<int64_t>(s, 1), &stride_span))
+        throw fail(fmt::format("tensor \"{}\": shape {} is too large: its strides overflow int64", e.name,
+                               shape_str(e.shape)));
     const uint64_t begin = e.offsets[0], end = e.offsets[1];
     if (end < begin) throw fail(fmt::format("tensor \"{}\": data_offsets [{}, {}] end before they begin", e.name, begin, end));
     if (end > data_size)

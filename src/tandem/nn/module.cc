@@ -159,7 +159,7 @@ StateDict Module::state_dict() const {
   return out;
 }
 
-void Module::load_state_dict(const StateDict& state, bool strict) {
+IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
   const StateDict mine = state_dict();
   std::map<std::string, const Tensor*> given;
   for (const auto& [name, t] : state) given[name] = &t;
@@ -171,6 +171,8 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
       missing.push_back(name);
       continue;
     }
+    TANDEM_CHECK(it->second->defined(), ValueError, "load_state_dict: the checkpoint's \"{}\" is an undefined tensor",
+                 name);
     TANDEM_CHECK(it->second->shape() == t.shape(), ValueError,
                  "load_state_dict: size mismatch for \"{}\": the checkpoint has shape {}, the model has {}", name,
                  shape_str(it->second->shape()), shape_str(t.shape()));
@@ -194,6 +196,7 @@ void Module::load_state_dict(const StateDict& state, bool strict) {
     Tensor dst = t;
     dst.copy_(*it->second);
   }
+  return {std::move(missing), std::move(unexpected)};
 }
 
 std::string Module::to_string() const {

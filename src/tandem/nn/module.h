@@ -16,6 +16,13 @@ namespace tandem::nn {
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 using StateDict = NamedTensors;
 
+// What load_state_dict did not match (PyTorch's _IncompatibleKeys), in the module's and the
+// checkpoint's order: both empty after a strict load, which throws instead.
+struct IncompatibleKeys {
+  std::vector<std::string> missing_keys;     // the module's names the checkpoint lacks (left unchanged)
+  std::vector<std::string> unexpected_keys;  // the checkpoint's names the module lacks (ignored)
+};
+
 class Module : public std::enable_shared_from_this<Module> {
  public:
   explicit Module(std::string type_name = "Module") : type_name_(std::move(type_name)) {}
@@ -61,9 +68,12 @@ class Module : public std::enable_shared_from_this<Module> {
   // Parameters and persistent buffers with dotted names, values shared (not copied). A tied
   // tensor appears under each of its names, as in PyTorch.
   StateDict state_dict() const;
-  // Copies values in. strict: every key must match both ways. A missing or unexpected key, or a
-  // shape mismatch, throws ValueError naming the key and both shapes, before anything is copied.
-  void load_state_dict(const StateDict& state, bool strict = true);
+  // Copies values in (converted to each tensor's dtype). strict: every key must match both ways,
+  // else ValueError listing the missing and unexpected keys; not strict: only the common keys are
+  // copied and the others are returned, as PyTorch's load_state_dict returns them. A shape
+  // mismatch always throws ValueError naming the key and both shapes. Every check runs before
+  // anything is copied, so a throw leaves the module unchanged.
+  IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
   const std::string& type_name() const { return type_name_; }
   // A one-line-per-module summary like PyTorch's repr.

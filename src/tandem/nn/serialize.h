@@ -19,11 +19,16 @@ void save_state_dict(const Module& module, const std::string& path,
 
 // Loads the safetensors file at `path` into `module` with Module::load_state_dict: values are
 // copied into the existing parameters (shared handles stay valid) and converted to each
-// parameter's dtype when the file's differs (a bf16 file into an f32 model). strict: the file's
-// names and the module's must match both ways; otherwise only common names are copied. Returns
-// the file's metadata. Throws IOError (from load_safetensors) for a missing or malformed file and
-// ValueError naming the file, the tensor and both shapes for a missing/unexpected name or a shape
-// mismatch; in every error case the module is unchanged.
-std::map<std::string, std::string> load_state_dict_file(Module& module, const std::string& path, bool strict = true);
+// parameter's dtype when the file's differs (a bf16 file into an f32 model). A tensor the module
+// holds under several names (tied weights) is loaded from whichever of its names the file has, as
+// safetensors.torch.load_model does: Python's writer stores shared tensors once
+// (safetensors.torch.save_model), Tandem's under every name. strict: otherwise the file's names
+// and the module's must match both ways; not strict: only common names are copied, and when
+// `incompatible` is given it receives the names left out (PyTorch's missing/unexpected keys).
+// Returns the file's metadata. Throws IOError (from load_safetensors) for a missing or malformed
+// file and ValueError naming the file, the tensor and both shapes for a missing/unexpected name
+// or a shape mismatch; in every error case the module is unchanged.
+std::map<std::string, std::string> load_state_dict_file(Module& module, const std::string& path, bool strict = true,
+                                                        IncompatibleKeys* incompatible = nullptr);
 
 }  // namespace tandem::nn
