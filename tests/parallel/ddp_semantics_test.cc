@@ -368,6 +368,16 @@ void sync_bn_case(std::shared_ptr<ProcessGroup> group, const std::vector<int64_t
       expect_close(sync->running_mean, bn->running_mean, at + ": running_mean");
       expect_close(sync->running_var, bn->running_var, at + ": running_var");
       if (sync->num_batches_tracked.data_ptr<int64_t>()[0] != it + 1) fail(at + ": num_batches_tracked");
+      if (!o.momentum) {
+        // Cumulative average of identical batches: the batch's own mean and unbiased variance
+        // (a momentum of 0.1 would give 0.1 and 0.19 of the mean).
+        const std::vector<int64_t> dims = two_d ? std::vector<int64_t>{0} : std::vector<int64_t>{0, 2, 3};
+        Tensor mean = td::ops::mean(x, dims, true);
+        Tensor d = td::ops::sub(x, mean);
+        Tensor var = td::ops::div(td::ops::sum(td::ops::mul(d, d), dims), static_cast<double>(x.numel() / C - 1));
+        expect_close(sync->running_mean, td::ops::mean(x, dims), at + ": cumulative running_mean");
+        expect_close(sync->running_var, var, at + ": cumulative running_var");
+      }
     }
   }
   // Eval: running stats when tracked, else this rank's own batch statistics (PyTorch: no sync).
@@ -388,6 +398,8 @@ TEST(DDPSemantics, SyncBatchNormOptionsMatchBatchNormOnTheGlobalBatch) {
     sync_bn_case(group, {2, 5}, {.affine = false}, false, "affine=false");
     sync_bn_case(group, {2, 5}, {.track_running_stats = false}, false, "track_running_stats=false");
     sync_bn_case(group, {3, 2}, {.momentum = 0.5}, true, "momentum 0.5");
+    sync_bn_case(group, {3, 2}, {.momentum = std::nullopt}, false, "momentum=None (cumulative average)");
+    sync_bn_case(group, {1, 2}, {.momentum = std::nullopt}, true, "momentum=None, rank 0 has one sample");
   });
 }
 

@@ -32,19 +32,25 @@ Tensor BatchNorm::forward_impl(const Tensor& x, bool relu) {
                num_features, shape_str(x.shape()));
   if (is_training() && training_forward) return relu ? ops::relu(training_forward(*this, x)) : training_forward(*this, x);
   const bool use_batch_stats = is_training() || !options.track_running_stats;
-  if (is_training() && options.track_running_stats) {
+  const bool update = is_training() && options.track_running_stats;
+  if (update) {
     NoGradGuard no_grad;
     *num_batches_tracked.data_ptr<int64_t>() += 1;
   }
-  const bool update = is_training() && options.track_running_stats;
   return (relu ? ops::batch_norm_relu : ops::batch_norm)(x, update || !use_batch_stats ? running_mean : Tensor(),
                          update || !use_batch_stats ? running_var : Tensor(), weight, bias, use_batch_stats,
-                         options.momentum, options.eps);
+                         update ? running_average_factor() : 0.0, options.eps);
+}
+
+double BatchNorm::running_average_factor() const {
+  if (options.momentum) return *options.momentum;
+  return 1.0 / static_cast<double>(*num_batches_tracked.data_ptr<int64_t>());
 }
 
 std::string BatchNorm::extra_repr() const {
   return fmt::format("{}, eps={}, momentum={}, affine={}, track_running_stats={}", num_features, options.eps,
-                     options.momentum, options.affine, options.track_running_stats);
+                     options.momentum ? fmt::format("{}", *options.momentum) : "None", options.affine,
+                     options.track_running_stats);
 }
 
 LayerNorm::LayerNorm(Shape shape, double e, bool affine, bool with_bias)

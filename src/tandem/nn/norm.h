@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "tandem/nn/module.h"
@@ -11,7 +12,9 @@ namespace tandem::nn {
 
 struct BatchNormOptions {
   double eps = 1e-5;
-  double momentum = 0.1;
+  // std::nullopt: cumulative moving average, running = mean of all batches seen (PyTorch's
+  // momentum=None: the factor is 1 / num_batches_tracked).
+  std::optional<double> momentum = 0.1;
   bool affine = true;
   bool track_running_stats = true;
 };
@@ -24,6 +27,9 @@ class BatchNorm : public Module {
   // relu(forward(x)) as one fused op (ops::batch_norm_relu): what a [BatchNorm, ReLU] pair runs.
   Tensor forward_relu(const Tensor& x);
   std::string extra_repr() const override;
+  // The running-stats update factor of a training forward that just counted its batch in
+  // num_batches_tracked: the momentum, or 1 / num_batches_tracked without one.
+  double running_average_factor() const;
 
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
   int64_t num_features;

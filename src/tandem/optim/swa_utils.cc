@@ -1,5 +1,6 @@
 #include "tandem/optim/swa_utils.h"
 
+#include <optional>
 #include <vector>
 
 #include "tandem/autograd/grad_mode.h"
@@ -20,7 +21,7 @@ int64_t update_bn(nn::Module& model, const std::function<Tensor()>& next_input) 
     nn::Module& model;
     bool training;
     std::vector<nn::BatchNorm*>& bns;
-    std::vector<double> momentum;
+    std::vector<std::optional<double>> momentum;
     ~Restore() {
       for (size_t i = 0; i < bns.size(); ++i) bns[i]->options.momentum = momentum[i];
       model.train(training);

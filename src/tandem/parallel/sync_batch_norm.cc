@@ -81,7 +81,8 @@ Tensor sync_batch_norm(const Tensor& x, nn::BatchNorm& bn, std::shared_ptr<dist:
   // ---- running stats (identical on every rank) ----
   if (bn.options.track_running_stats) {
     NoGradGuard no_grad;
-    const double mom = bn.options.momentum;
+    *bn.num_batches_tracked.data_ptr<int64_t>() += 1;
+    const double mom = bn.running_average_factor();  // after counting this batch, as BatchNorm
     Tensor rm32 = bn.running_mean.to(kFloat64).contiguous(), rv32 = bn.running_var.to(kFloat64).contiguous();
     double* rm = rm32.data_ptr<double>();
     double* rv = rv32.data_ptr<double>();
@@ -91,7 +92,6 @@ Tensor sync_batch_norm(const Tensor& x, nn::BatchNorm& bn, std::shared_ptr<dist:
     }
     bn.running_mean.copy_(rm32);
     bn.running_var.copy_(rv32);
-    *bn.num_batches_tracked.data_ptr<int64_t>() += 1;
   }
 
   // ---- normalize ----
