@@ -12,7 +12,9 @@
 namespace tandem::nn {
 
 // Writes module.state_dict() (parameters and persistent buffers; a tied tensor under each of its
-// names) to `path` with save_safetensors: atomic, blocking until durable. Throws what
+// names, as torch.save stores it) to `path` with save_safetensors: atomic, blocking until durable.
+// Python reads it with safetensors.torch.load_file + load_state_dict; safetensors.torch.load_model
+// expects a tied tensor under one name only and calls the second one unexpected. Throws what
 // save_safetensors throws.
 void save_state_dict(const Module& module, const std::string& path,
                      const std::map<std::string, std::string>& metadata = {});
