@@ -19,6 +19,7 @@
 #include "tandem/optim/sgd.h"
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/sync_batch_norm.h"
+#include "parallel/ranks.h"
 #include "util/test_util.h"
 
 namespace td = tandem;
@@ -29,24 +30,12 @@ using td::parallel::DistributedDataParallel;
 
 namespace {
 
-// Runs fn(group) on n forked ranks over shm; rethrows the first rank's failure. The whole run
-// has a 60 s deadline (each case takes well under a second), every collective a 20 s timeout.
-void on_ranks(int n, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn) {
-  td::dist::SpawnOptions options;
-  options.timeout = std::chrono::seconds(60);
-  options.env["TANDEM_NUM_THREADS"] = "1";
-  options.env["OMP_NUM_THREADS"] = "1";
-  td::dist::spawn(
-      n,
-      [&](int) {
-        auto group = td::dist::init_process_group({.backend = "shm", .timeout = std::chrono::seconds(20)});
-        fn(group);
-        td::dist::destroy_process_group();
-      },
-      options);
+// The whole run has a 60 s deadline (each case takes well under a second), every collective a
+// 20 s timeout.
+void on_ranks(int n, const td::testing::RankFn& fn) {
+  td::testing::on_ranks(n, fn, std::chrono::seconds(60), std::chrono::seconds(20));
 }
-
-[[noreturn]] void fail(const std::string& what) { throw td::Error(what); }
+using td::testing::fail;
 
 // f32 sums of a handful of products in two orders (ranks, micro-batches): a few ulps.
 constexpr double kRtol = 1e-5, kAtol = 1e-6;

@@ -28,6 +28,7 @@
 #include "tandem/optim/sgd.h"
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/sync_batch_norm.h"
+#include "parallel/ranks.h"
 #include "util/test_util.h"
 
 namespace td = tandem;
@@ -38,25 +39,10 @@ using td::parallel::DistributedDataParallel;
 
 namespace {
 
-constexpr auto kGroupTimeout = std::chrono::seconds(60);
-
-// Runs fn(group) on n forked ranks over shm; rethrows the first rank's failure.
-void on_ranks(int n, const std::function<void(std::shared_ptr<ProcessGroup>)>& fn,
-              td::dist::SpawnOptions options = {}) {
-  options.timeout = std::chrono::seconds(240);
-  options.env["TANDEM_NUM_THREADS"] = "1";
-  options.env["OMP_NUM_THREADS"] = "1";
-  td::dist::spawn(
-      n,
-      [&](int) {
-        auto group = td::dist::init_process_group({.backend = "shm", .timeout = kGroupTimeout});
-        fn(group);
-        td::dist::destroy_process_group();
-      },
-      options);
+void on_ranks(int n, const td::testing::RankFn& fn) {
+  td::testing::on_ranks(n, fn, std::chrono::seconds(240), std::chrono::seconds(60));
 }
-
-[[noreturn]] void fail(const std::string& what) { throw td::Error(what); }
+using td::testing::fail;
 
 // Norm-wise relative difference ||a - b|| / ||b|| (f64), the "rel" of the acceptance criteria.
 double rel_diff(const Tensor& a, const Tensor& b) {

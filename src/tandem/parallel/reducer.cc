@@ -275,18 +275,8 @@ void Reducer::on_gradient_ready(int64_t param) {
       // Unused in this pass, but a parameter may hold a gradient accumulated in earlier no_sync
       // passes: that one is reduced like any other (PyTorch copies a defined grad too), else zeros.
       // (World size 1 without bucket views reads no slot: grad() already is the result.)
-      NoGradGuard no_grad;
-      const bool slots_read = !(local_only_ && !options_.gradient_as_bucket_view);
       for (int64_t p : unused_) {
-        Tensor g = params_[p].tensor.grad();
-        Tensor s = slot(p);
-        if (!slots_read) {
-        } else if (!g.defined()) {
-          s.zero_();
-        } else if (!(g.storage() == s.storage() && g.offset() == s.offset())) {
-          s.copy_(g);
-          if (options_.gradient_as_bucket_view) params_[p].tensor.set_grad(s);
-        }
+        if (reads_slots()) grad_into_slot(p);
         mark_ready(p);
       }
     }
@@ -296,22 +286,22 @@ void Reducer::on_gradient_ready(int64_t param) {
     used_since_sync_[param] = 1;
     return;
   }
+  if (reads_slots()) grad_into_slot(param);
+  locally_used_[param] = 1;
+  mark_ready(param);
+}
+
+void Reducer::grad_into_slot(int64_t param) {
   Param& p = params_[param];
-  if (local_only_ && !options_.gradient_as_bucket_view) {
-    locally_used_[param] = 1;
-    mark_ready(param);
-    return;
-  }
   Tensor g = p.tensor.grad();
   Tensor s = slot(param);
   NoGradGuard no_grad;
-  const bool is_view = g.defined() && g.storage() == s.storage() && g.offset() == s.offset();
-  if (!is_view) {
+  if (!g.defined()) {
+    s.zero_();
+  } else if (!(g.storage() == s.storage() && g.offset() == s.offset())) {
     s.copy_(g);
     if (options_.gradient_as_bucket_view) p.tensor.set_grad(s);
   }
-  locally_used_[param] = 1;
-  mark_ready(param);
 }
 
 void Reducer::mark_ready(int64_t param) {
@@ -431,7 +421,7 @@ void Reducer::finalize() {
     for (int64_t i : b.params) {
       Param& p = params_[i];
       if (!globally_used[i]) continue;
-      if (local_only_ && !options_.gradient_as_bucket_view) continue;  // grad() already is the result
+      if (!reads_slots()) continue;  // grad() already is the result
       Tensor s = slot(i);
       Tensor g = p.tensor.grad();
       if (options_.gradient_as_bucket_view) {

@@ -125,6 +125,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void replace_bucket_memory(int64_t bi);
   void on_gradient_ready(int64_t param);
   void mark_ready(int64_t param);
+  // The parameter's gradient into its bucket slot (zeros when it has none; nothing when grad()
+  // already is the slot); with gradient_as_bucket_view the slot becomes grad().
+  void grad_into_slot(int64_t param);
+  // Whether gradients go through bucket slots: not at world size 1 with the default hook and no
+  // bucket views, where grad() already is the result.
+  bool reads_slots() const { return !local_only_ || options_.gradient_as_bucket_view; }
   void launch_ready_buckets();
   void launch(int64_t bucket);
   void finalize();
