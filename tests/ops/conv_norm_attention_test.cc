@@ -582,6 +582,10 @@ TEST(AttentionFused, EqualsComposedReference) {
       {{3, 20, 8}, {3, 45, 8}, {3, 45, 12}, true, std::nullopt},
       {{3, 45, 8}, {3, 20, 8}, {3, 20, 12}, false, 0.3},
       {{2, 2, 9, 5}, {2, 2, 13, 5}, {2, 2, 13, 7}, true, 1.5},
+      // Several 64-row query tiles, D a multiple of 16 and not, more keys than queries: the
+      // register tile kernel's full and partial blocks.
+      {{1, 2, 130, 64}, {1, 2, 130, 64}, {1, 2, 130, 64}, true, std::nullopt},
+      {{1, 3, 70, 20}, {1, 3, 150, 20}, {1, 3, 150, 36}, false, std::nullopt},
   };
   uint64_t seed = 1000;
   for (DType dt : {kFloat64, kFloat32}) {

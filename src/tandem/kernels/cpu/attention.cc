@@ -8,6 +8,7 @@
 #include "tandem/core/tensor.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/row_math.h"
+#include "tandem/kernels/cpu/tile_gemm.h"
 #include "tandem/kernels/cpu/vec_math.h"
 
 namespace tandem::kernels {
@@ -66,7 +67,8 @@ template <class T>
 void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* a, int64_t lda, const T* b, int64_t ldb,
         bool accumulate, T* c, int64_t ldc) {
   if constexpr (std::is_same_v<T, float>) {
-    sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, ldc);
+    if (!tb) return tile_sgemm(M, N, K, a, ta ? 1 : lda, ta ? lda : 1, b, ldb, accumulate, c, ldc);
+    sgemm(ta ? 'T' : 'N', 'T', M, N, K, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, ldc);
   } else {
     const Tensor av = ta ? mat(a, K, M, lda, true) : mat(a, M, K, lda);
     const Tensor bv = tb ? mat(b, N, K, ldb, true) : mat(b, K, N, ldb);
@@ -80,9 +82,24 @@ void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* a, int64_t l
 // calls.
 template <class T>
 T* scratch(int slot, int64_t n) {
-  thread_local std::vector<T> buf[2];
+  thread_local std::vector<T> buf[4];
   if (static_cast<int64_t>(buf[slot].size()) < n) buf[slot].resize(n);
   return buf[slot].data();
+}
+
+// The transpose of a rows x cols strided operand, (cols x rows) contiguous in scratch `slot`: the
+// tile products then all read B row-major (K^T for the scores, V^T for dP).
+template <class T>
+const T* staged_transpose(const T* src, int64_t rows, int64_t cols, int64_t ld, int slot) {
+  T* dst = scratch<T>(slot, rows * cols);
+  if constexpr (std::is_same_v<T, float>) {
+    transpose_f32(src, rows, cols, ld, dst);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
+    }
+  }
+  return dst;
 }
 
 }  // namespace
@@ -94,8 +111,9 @@ T* scratch(int slot, int64_t n) {
 template <class T>
 void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const AttentionShape& s, T scale) {
   for (int64_t bh = 0; bh < s.BH; ++bh) {
+    const int64_t qst = s.q.st, vst = s.v.st;
     const T* Q = head(q, s.q, s, bh);
-    const T* K = head(k, s.k, s, bh);
+    const T* KT = staged_transpose(head(k, s.k, s, bh), s.S, s.D, s.k.st, 2);  // (D x S)
     const T* V = head(v, s.v, s, bh);
     T* Oh = head(out, s.out, s, bh);
     for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
@@ -108,7 +126,7 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         continue;
       }
       T* P = scratch<T>(0, rows * n);  // scores (rows x n)
-      mm<T>(false, true, rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, n);
+      mm<T>(false, false, rows, n, s.D, Q + t0 * qst, qst, KT, s.S, false, P, n);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
@@ -129,7 +147,7 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         std::fill(row + nr, row + n, T(0));
         lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
       }
-      mm<T>(false, false, rows, s.Dv, n, P, n, V, s.v.st, false, O, s.out.st);
+      mm<T>(false, false, rows, s.Dv, n, P, n, V, vst, false, O, s.out.st);
     }
   }
 }
@@ -140,9 +158,11 @@ template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
                         const AttentionShape& s, T scale) {
   for (int64_t bh = 0; bh < s.BH; ++bh) {
+    const int64_t qst = s.q.st, kst = s.k.st, ost = s.out.st, dost = s.dout.st;
     const T* Q = head(q, s.q, s, bh);
     const T* K = head(k, s.k, s, bh);
-    const T* V = head(v, s.v, s, bh);
+    const T* KT = staged_transpose(K, s.S, s.D, kst, 2);                        // (D x S)
+    const T* VT = staged_transpose(head(v, s.v, s, bh), s.S, s.Dv, s.v.st, 3);  // (Dv x S)
     const T* Oh = head(out, s.out, s, bh);
     const T* dOh = head(dout, s.dout, s, bh);
     T* dQh = head(dq, s.dq, s, bh);
@@ -160,11 +180,11 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * s.dq.st, dQ + r * s.dq.st + s.D, T(0));
         continue;
       }
-      const T* dO = dOh + t0 * s.dout.st;
-      const T* O = Oh + t0 * s.out.st;
-      const T* Qt = Q + t0 * s.q.st;
+      const T* dO = dOh + t0 * dost;
+      const T* O = Oh + t0 * ost;
+      const T* Qt = Q + t0 * qst;
       T* P = scratch<T>(0, rows * n);  // (rows x n)
-      mm<T>(false, true, rows, n, s.D, Qt, s.q.st, K, s.k.st, false, P, n);
+      mm<T>(false, false, rows, n, s.D, Qt, qst, KT, s.S, false, P, n);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
@@ -178,13 +198,13 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         std::fill(row + nr, row + n, T(0));
       }
       // dV[0:n] += P^T dO
-      mm<T>(true, false, n, s.Dv, rows, P, n, dO, s.dout.st, true, dV, s.dv.st);
+      mm<T>(true, false, n, s.Dv, rows, P, n, dO, dost, true, dV, s.dv.st);
       // dS = P * (dO V^T - delta) * scale, in place of dP
       T* dS = scratch<T>(1, rows * n);  // (rows x n)
-      mm<T>(false, true, rows, n, s.Dv, dO, s.dout.st, V, s.v.st, false, dS, n);
+      mm<T>(false, false, rows, n, s.Dv, dO, dost, VT, s.S, false, dS, n);
       for (int64_t r = 0; r < rows; ++r) {
-        const T* dor = dO + r * s.dout.st;
-        const T* orow = O + r * s.out.st;
+        const T* dor = dO + r * dost;
+        const T* orow = O + r * ost;
         T* ds = dS + r * n;
         const T* pr = P + r * n;
         if constexpr (std::is_same_v<T, float>) {
@@ -196,8 +216,8 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
       }
       // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-      mm<T>(false, false, rows, s.D, n, dS, n, K, s.k.st, false, dQ, s.dq.st);
-      mm<T>(true, false, n, s.D, rows, dS, n, Qt, s.q.st, true, dK, s.dk.st);
+      mm<T>(false, false, rows, s.D, n, dS, n, K, kst, false, dQ, s.dq.st);
+      mm<T>(true, false, n, s.D, rows, dS, n, Qt, qst, true, dK, s.dk.st);
     }
   }
 }

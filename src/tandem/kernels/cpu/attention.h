@@ -5,7 +5,8 @@
 // log-sum-exp, so no T x T matrix outlives its tile. Operands are f32 or f64 (B, H, T, D)
 // tensors given by a base pointer and a HeadLayout each: any strides over b, h and t, unit
 // stride along D (so q, k, v may be views into one fused qkv projection, and the output may be
-// stored (B, T, H, D)).
+// stored (B, T, H, D)). Per head, K (and in backward V) is first transposed into scratch, so every
+// tile product reads its B operand row-major; f32 products go through tile_sgemm (tile_gemm.h).
 #pragma once
 
 #include <cstdint>
