@@ -65,10 +65,13 @@ Window make_window(const Tensor& x, const Pool2dOptions& o, const char* op, bool
     w.s[i] = o.stride[i] == 0 ? o.kernel_size[i] : o.stride[i];
     w.pad[i] = o.padding[i];
     w.dil[i] = with_dilation ? o.dilation[i] : 1;
-    TANDEM_CHECK(w.k[i] >= 1 && w.s[i] >= 1 && w.dil[i] >= 1, ValueError,
-                 "{}: kernel_size, stride and dilation must be >= 1 (got kernel ({}, {}), stride ({}, {}))", op,
-                 o.kernel_size[0], o.kernel_size[1], o.stride[0], o.stride[1]);
-    TANDEM_CHECK(w.pad[i] >= 0 && w.pad[i] * 2 <= w.k[i], ValueError,
+    TANDEM_CHECK(w.k[i] >= 1, ValueError, "{}: kernel_size ({}, {}) must be >= 1", op, o.kernel_size[0],
+                 o.kernel_size[1]);
+    TANDEM_CHECK(w.s[i] >= 1, ValueError, "{}: stride ({}, {}) must be >= 1 (or 0 for the kernel size)", op,
+                 o.stride[0], o.stride[1]);
+    TANDEM_CHECK(w.dil[i] >= 1, ValueError, "{}: dilation ({}, {}) must be >= 1", op, o.dilation[0], o.dilation[1]);
+    TANDEM_CHECK(w.pad[i] >= 0, ValueError, "{}: padding ({}, {}) must be >= 0", op, o.padding[0], o.padding[1]);
+    TANDEM_CHECK(w.pad[i] * 2 <= w.k[i], ValueError,
                  "{}: padding ({}, {}) must be at most half the kernel size ({}, {})", op, o.padding[0], o.padding[1],
                  o.kernel_size[0], o.kernel_size[1]);
   }
@@ -121,19 +124,29 @@ Tensor max_pool2d(const Tensor& x, const Pool2dOptions& o) {
     });
   });
   record("MaxPool2dBackward", {x}, {y}, [argmax, w, dt = x.dtype()](const G& g) {
-    Tensor gx = zeros({w.N, w.C, w.H, w.W}, dt);
-    const Tensor gy = g[0].contiguous();
+    Tensor gx = empty({w.N, w.C, w.H, w.W}, dt);
+    const Tensor gy = g[0].to(dt).contiguous();
     TANDEM_DISPATCH_FLOATING(dt, "max_pool2d backward", [&] {
       using T = scalar_t;
+      using Acc = compute_t<T>;
       const T* pg = static_cast<const T*>(gy.data_ptr());
       T* px = static_cast<T*>(gx.data_ptr());
       const int64_t* pi = argmax.data_ptr<int64_t>();
       const int64_t plane_out = w.OH * w.OW, plane_in = w.H * w.W;
-      for (int64_t nc = 0; nc < w.N * w.C; ++nc)
-        for (int64_t i = 0; i < plane_out; ++i) {
-          T& dst = px[nc * plane_in + pi[nc * plane_out + i]];
-          dst = static_cast<T>(static_cast<compute_t<T>>(dst) + static_cast<compute_t<T>>(pg[nc * plane_out + i]));
+      // Overlapping windows add several gradients into one input element: summed per plane in
+      // f32 for 16-bit types and rounded once (a bf16 running sum loses bits at every add).
+      parallel_for(0, w.N * w.C, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<Acc> acc(static_cast<size_t>(plane_in));
+        for (int64_t nc = lo; nc < hi; ++nc) {
+          std::fill(acc.begin(), acc.end(), Acc(0));
+          for (int64_t i = 0; i < plane_out; ++i) {
+            // -1: a dilated window whose taps all fall in the padding (output -inf, no gradient).
+            const int64_t src = pi[nc * plane_out + i];
+            if (src >= 0) acc[static_cast<size_t>(src)] += static_cast<Acc>(pg[nc * plane_out + i]);
+          }
+          for (int64_t j = 0; j < plane_in; ++j) px[nc * plane_in + j] = static_cast<T>(acc[static_cast<size_t>(j)]);
         }
+      });
     });
     return G{gx};
   });
@@ -175,23 +188,29 @@ Tensor avg_forward(const Tensor& x, const AvgPlan& a) {
 }
 
 Tensor avg_backward(const Tensor& g, const AvgPlan& a, DType dt) {
-  Tensor gx = zeros({a.N, a.C, a.H, a.W}, dt);
-  const Tensor gy = g.contiguous();
+  Tensor gx = empty({a.N, a.C, a.H, a.W}, dt);
+  const Tensor gy = g.to(dt).contiguous();
   TANDEM_DISPATCH_FLOATING(dt, "avg_pool2d backward", [&] {
     using T = scalar_t;
     using Acc = compute_t<T>;
     const T* pg = static_cast<const T*>(gy.data_ptr());
     T* px = static_cast<T*>(gx.data_ptr());
-    for (int64_t nc = 0; nc < a.N * a.C; ++nc)
-      for (int64_t oh = 0; oh < a.OH; ++oh)
-        for (int64_t ow = 0; ow < a.OW; ++ow) {
-          const Acc v = static_cast<Acc>(pg[(nc * a.OH + oh) * a.OW + ow]) / static_cast<Acc>(a.div[oh * a.OW + ow]);
-          for (int64_t ih = a.h0[oh]; ih < a.h1[oh]; ++ih)
-            for (int64_t iw = a.w0[ow]; iw < a.w1[ow]; ++iw) {
-              T& d = px[(nc * a.H + ih) * a.W + iw];
-              d = static_cast<T>(static_cast<Acc>(d) + v);
-            }
-        }
+    const int64_t plane_in = a.H * a.W;
+    // Overlapping windows (stride < kernel, adaptive bins that share a row) add into one input
+    // element: summed per plane in f32 for 16-bit types and rounded once.
+    parallel_for(0, a.N * a.C, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<Acc> acc(static_cast<size_t>(plane_in));
+      for (int64_t nc = lo; nc < hi; ++nc) {
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        for (int64_t oh = 0; oh < a.OH; ++oh)
+          for (int64_t ow = 0; ow < a.OW; ++ow) {
+            const Acc v = static_cast<Acc>(pg[(nc * a.OH + oh) * a.OW + ow]) / static_cast<Acc>(a.div[oh * a.OW + ow]);
+            for (int64_t ih = a.h0[oh]; ih < a.h1[oh]; ++ih)
+              for (int64_t iw = a.w0[ow]; iw < a.w1[ow]; ++iw) acc[static_cast<size_t>(ih * a.W + iw)] += v;
+          }
+        for (int64_t j = 0; j < plane_in; ++j) px[nc * plane_in + j] = static_cast<T>(acc[static_cast<size_t>(j)]);
+      }
+    });
   });
   return gx;
 }

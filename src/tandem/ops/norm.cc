@@ -220,9 +220,20 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   Tensor x = x_in.detach();
   const Layout l = channel_layout(x);
   const int64_t count = l.outer * l.inner;
-  TANDEM_CHECK(!training || count > 1, ValueError,
+  TANDEM_CHECK(!training || count != 1, ValueError,
                "batch_norm: expected more than 1 value per channel when training, got input of shape {}",
                shape_str(x_in.shape()));
+  if (count == 0) {
+    // An empty batch (N = 0, or an empty spatial dim), as PyTorch: an empty output, the running
+    // stats untouched (no NaN mean of nothing), zero gradients for weight and bias.
+    Tensor y = empty_like(x);
+    record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {x_in, weight, bias}, {y},
+           [shape = x.shape(), dt = x.dtype(), C, has_w = weight.defined(), has_b = bias.defined(),
+            wdt = weight.defined() ? weight.dtype() : kFloat32, bdt = bias.defined() ? bias.dtype() : kFloat32](const G&) {
+             return G{zeros(shape, dt), has_w ? zeros({C}, wdt) : Tensor(), has_b ? zeros({C}, bdt) : Tensor()};
+           });
+    return y;
+  }
   // ---- statistics ----
   std::vector<double> mean, var;
   if (training) {

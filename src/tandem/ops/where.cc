@@ -37,12 +37,14 @@ Tensor where(const Tensor& cond, const Tensor& a0, const Tensor& b0) {
   return out;
 }
 
-Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
-  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "masked_fill: expected a floating tensor, got {}", dtype_name(x.dtype()));
-  const Tensor sel = as_selector(mask, x.dtype(), "masked_fill");
-  const Shape shape = kernels::broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
-  TANDEM_CHECK(shape == x.shape(), ShapeError, "masked_fill: mask of shape {} does not broadcast to the input {}",
-               shape_str(mask.shape()), shape_str(x.shape()));
+Tensor masked_fill(const Tensor& x_in, const Tensor& mask, double value) {
+  TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "masked_fill: expected a floating tensor, got {}",
+               dtype_name(x_in.dtype()));
+  const Tensor sel = as_selector(mask, x_in.dtype(), "masked_fill");
+  // As PyTorch's out-of-place masked_fill: x and mask broadcast together, so a mask with more
+  // (or larger) dims than x gives the broadcast shape; x's gradient is summed back by expand.
+  const Shape shape = kernels::broadcast_shapes(x_in.shape(), mask.shape(), "masked_fill");
+  const Tensor x = shape == x_in.shape() ? x_in : x_in.expand(shape);
   Tensor out = kernels::binary_op(x.detach(), sel, "masked_fill", [value](auto v, auto s) {
     using T = decltype(v);
     return s != T(0) ? static_cast<T>(value) : v;

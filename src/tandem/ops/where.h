@@ -7,7 +7,8 @@ namespace tandem::ops {
 
 // out = cond ? a : b, broadcasting all three; cond is a bool tensor.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
-// out = mask ? value : x (mask bool, broadcast to x).
+// out = mask ? value : x (mask bool); x and mask broadcast together, as PyTorch's out-of-place
+// masked_fill (a mask with more dims than x gives the broadcast shape).
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
 // Keeps elements on and below the `diagonal`-th diagonal of the last two dims (tril) or on and
 // above it (triu), zeroing the rest.

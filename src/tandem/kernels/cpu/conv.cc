@@ -34,6 +34,8 @@ Tensor to_channels_last(const Tensor& x) {
 Shape conv2d_output_shape(const Shape& x, const Shape& w, const Conv2dParams& p) {
   TANDEM_CHECK(x.size() == 4, ShapeError, "conv2d: expected a 4-d input (N, C, H, W), got {}", shape_str(x));
   TANDEM_CHECK(w.size() == 4, ShapeError, "conv2d: expected a 4-d weight (O, C/groups, KH, KW), got {}", shape_str(w));
+  TANDEM_CHECK(w[0] >= 1 && w[1] >= 1 && w[2] >= 1 && w[3] >= 1, ShapeError,
+               "conv2d: every dim of the weight {} (O, C/groups, KH, KW) must be >= 1", shape_str(w));
   TANDEM_CHECK(p.groups >= 1 && x[1] % p.groups == 0 && w[0] % p.groups == 0, ValueError,
                "conv2d: groups={} must divide the input channels {} and output channels {}", p.groups, x[1], w[0]);
   TANDEM_CHECK(w[1] * p.groups == x[1], ShapeError,
