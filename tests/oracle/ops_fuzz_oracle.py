@@ -8,6 +8,8 @@ names "<id>__<dtype>"), plus cases.json mapping every <id> to its spec:
   {"op": "conv2d" | "max_pool2d" | "avg_pool2d" | "adaptive_avg_pool2d" | "batch_norm" |
          "bn_module" | "group_norm" | "layer_norm" | "where" | "masked_fill" | "tril" | "triu",
    "views": ["" | "t" | "cl" | "s" | "n1", ...]  (one per input, see VIEWS),
+   "out_t": true when the first output (if 2-d or more) is transposed before the loss, so that
+            its gradient reaches the op non-contiguous,
    ...the op's arguments, named as in torch.nn.functional}
 The C++ side stores every floating input and weight as float64 (exact for its f32/bf16 values),
 so the reference is always computed in f64, whatever dtype Tandem computed in. An unknown op,
@@ -158,7 +160,14 @@ def _case(spec):
     def f(*inputs):
         if len(inputs) != len(views):
             raise ValueError(f"{spec['op']}: {len(inputs)} inputs for {len(views)} views")
-        return op(*[v(x) for v, x in zip(views, inputs)])
+        out = op(*[v(x) for v, x in zip(views, inputs)])
+        if spec["out_t"]:  # the first output reaches the loss transposed (see VIEWS["t"])
+            if isinstance(out, tuple):
+                first = out[0] if out[0].dim() < 2 else out[0].transpose(-2, -1)
+                out = (first,) + out[1:]
+            elif out.dim() >= 2:
+                out = out.transpose(-2, -1)
+        return out
     return f
 
 

@@ -331,7 +331,10 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int64_t, 2> out) {
                out[0], out[1]);
   TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "adaptive_avg_pool2d: expected a floating input, got {}",
                dtype_name(x.dtype()));
-  if (out[0] == 1 && out[1] == 1) return global_avg_pool(x);
+  if (out[0] == 1 && out[1] == 1) return global_avg_pool(x);  // an empty plane: NaN, as PyTorch's mean
+  TANDEM_CHECK(x.size(2) >= 1 && x.size(3) >= 1, ShapeError,
+               "adaptive_avg_pool2d: input {} has an empty spatial dim: no values to average into ({}, {}) bins",
+               shape_str(x.shape()), out[0], out[1]);
   AvgPlan a{x.size(0), x.size(1), x.size(2), x.size(3), out[0], out[1], {}, {}, {}, {}, {}};
   for (int64_t i = 0; i < out[0]; ++i) {
     a.h0.push_back(i * a.H / out[0]);
