@@ -84,7 +84,7 @@ TEST(Module, SequentialNestedNames) {
   EXPECT_EQ(outer(td::ones({5, 2})).shape(), (Shape{5, 1}));
   const std::string repr = outer.to_string();
   EXPECT_NE(repr.find("(1): Sequential("), std::string::npos) << repr;
-  EXPECT_NE(repr.find("in_features=2, out_features=3, bias=true"), std::string::npos) << repr;
+  EXPECT_NE(repr.find("in_features=2, out_features=3, bias=True"), std::string::npos) << repr;
 }
 
 TEST(Module, RegistrationValidatesNames) {

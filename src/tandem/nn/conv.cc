@@ -27,10 +27,16 @@ void Conv2d::reset_parameters() {
 
 Tensor Conv2d::forward(const Tensor& x) { return ops::conv2d(x, weight, bias, conv); }
 
+// PyTorch's Conv2d.extra_repr: padding, dilation and groups only when not the default.
 std::string Conv2d::extra_repr() const {
-  return fmt::format("{}, {}, kernel_size=({}, {}), stride=({}, {}), padding=({}, {}), groups={}, bias={}", in_channels,
-                     out_channels, kernel_size[0], kernel_size[1], conv.stride[0], conv.stride[1], conv.padding[0],
-                     conv.padding[1], conv.groups, bias.defined());
+  std::string s = fmt::format("{}, {}, kernel_size=({}, {}), stride=({}, {})", in_channels, out_channels, kernel_size[0],
+                              kernel_size[1], conv.stride[0], conv.stride[1]);
+  if (conv.padding[0] != 0 || conv.padding[1] != 0) s += fmt::format(", padding=({}, {})", conv.padding[0], conv.padding[1]);
+  if (conv.dilation[0] != 1 || conv.dilation[1] != 1)
+    s += fmt::format(", dilation=({}, {})", conv.dilation[0], conv.dilation[1]);
+  if (conv.groups != 1) s += fmt::format(", groups={}", conv.groups);
+  if (!bias.defined()) s += ", bias=False";
+  return s;
 }
 
 }  // namespace tandem::nn

@@ -30,7 +30,8 @@ void Linear::reset_parameters() {
 Tensor Linear::forward(const Tensor& x) { return ops::linear(x, weight, bias); }
 
 std::string Linear::extra_repr() const {
-  return fmt::format("in_features={}, out_features={}, bias={}", in_features, out_features, bias.defined());
+  return fmt::format("in_features={}, out_features={}, bias={}", in_features, out_features,
+                     bias.defined() ? "True" : "False");
 }
 
 Tensor ReLU::forward(const Tensor& x) { return ops::relu(x); }
@@ -50,14 +51,17 @@ Dropout::Dropout(double p) : Module("Dropout"), p_(p) {
 
 Tensor Dropout::forward(const Tensor& x) { return ops::dropout(x, p_, is_training()); }
 
-std::string Dropout::extra_repr() const { return fmt::format("p={}", p_); }
+std::string Dropout::extra_repr() const { return fmt::format("p={}, inplace=False", p_); }
 
-Embedding::Embedding(int64_t num, int64_t dim, int64_t pad, DType dtype)
-    : Module("Embedding"), num_embeddings(num), embedding_dim(dim), padding_idx(pad) {
+Embedding::Embedding(int64_t num, int64_t dim, std::optional<int64_t> pad, DType dtype)
+    : Module("Embedding"), num_embeddings(num), embedding_dim(dim), padding_idx(-1) {
   TANDEM_CHECK(num > 0 && dim > 0, ValueError, "Embedding: sizes must be positive, got {} x {}", num, dim);
-  if (padding_idx < 0 && padding_idx != -1) padding_idx += num;
-  TANDEM_CHECK(padding_idx == -1 || (padding_idx >= 0 && padding_idx < num), ValueError,
-               "Embedding: padding_idx {} out of range for {} embeddings", pad, num);
+  if (pad) {
+    TANDEM_CHECK(*pad >= -num && *pad < num, ValueError,
+                 "Embedding: padding_idx {} out of range for {} embeddings (expected -{} <= padding_idx < {})", *pad,
+                 num, num, num);
+    padding_idx = *pad < 0 ? *pad + num : *pad;
+  }
   weight = register_parameter("weight", empty({num, dim}, dtype));
   init::normal_(weight, 0.0, 1.0);
   if (padding_idx >= 0) {
@@ -68,7 +72,18 @@ Embedding::Embedding(int64_t num, int64_t dim, int64_t pad, DType dtype)
 
 Tensor Embedding::forward(const Tensor& indices) { return ops::embedding(weight, indices, padding_idx); }
 
-std::string Embedding::extra_repr() const { return fmt::format("{}, {}", num_embeddings, embedding_dim); }
+std::string Embedding::extra_repr() const {
+  std::string s = fmt::format("{}, {}", num_embeddings, embedding_dim);
+  if (padding_idx >= 0) s += fmt::format(", padding_idx={}", padding_idx);
+  return s;
+}
+
+int64_t module_index(const std::string& container, int64_t i, size_t n) {
+  const auto size = static_cast<int64_t>(n);
+  TANDEM_CHECK(i >= -size && i < size, ValueError, "{}: index {} is out of range for {} modules (expected {} <= i < {})",
+               container, i, n, -size, size);
+  return i < 0 ? i + size : i;
+}
 
 Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) : Module("Sequential") {
   for (auto& m : modules) push_back(m);

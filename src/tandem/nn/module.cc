@@ -86,15 +86,49 @@ std::vector<Tensor> Module::buffers(bool recurse) const {
   return out;
 }
 
-std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() {
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_children() const {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  for (const auto& [name, c] : children_) {
+    if (std::none_of(out.begin(), out.end(), [&](const auto& p) { return p.second == c; })) out.emplace_back(name, c);
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<Module>> Module::children() const {
+  std::vector<std::shared_ptr<Module>> out;
+  for (auto& [name, c] : named_children()) out.push_back(c);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::named_modules() {
+  // PyTorch's memo: a module reached a second time (registered under two names, or shared by two
+  // parents) is skipped with its whole subtree.
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  std::vector<const Module*> seen;
   std::function<void(const std::string&, std::shared_ptr<Module>)> walk = [&](const std::string& prefix,
                                                                              std::shared_ptr<Module> m) {
+    if (std::find(seen.begin(), seen.end(), m.get()) != seen.end()) return;
+    seen.push_back(m.get());
     out.emplace_back(prefix, m);
     for (auto& [name, c] : m->children_) walk(prefix.empty() ? name : prefix + "." + name, c);
   };
-  walk("", shared_from_this());
+  // A module not owned by a shared_ptr (on the stack, or inside its own constructor) is listed
+  // through a non-owning pointer, valid as long as the module itself.
+  std::shared_ptr<Module> self = weak_from_this().lock();
+  walk("", self ? self : std::shared_ptr<Module>(std::shared_ptr<Module>(), this));
   return out;
+}
+
+std::vector<std::shared_ptr<Module>> Module::modules() {
+  std::vector<std::shared_ptr<Module>> out;
+  for (auto& [name, m] : named_modules()) out.push_back(m);
+  return out;
+}
+
+Module& Module::apply(const std::function<void(Module&)>& fn) {
+  for (const auto& c : children()) c->apply(fn);
+  fn(*this);
+  return *this;
 }
 
 int64_t Module::num_parameters() const {
@@ -103,9 +137,15 @@ int64_t Module::num_parameters() const {
   return n;
 }
 
-void Module::train(bool on) {
+Module& Module::train(bool on) {
   training_ = on;
   for (auto& [name, c] : children_) c->train(on);
+  return *this;
+}
+
+Module& Module::requires_grad_(bool requires_grad) {
+  for (Tensor& p : parameters()) p.requires_grad_(requires_grad);
+  return *this;
 }
 
 namespace {
@@ -123,13 +163,14 @@ void convert_in_place(const Tensor& t, DType dtype) {
 
 }  // namespace
 
-void Module::to(DType dtype) {
+Module& Module::to(DType dtype) {
   TANDEM_CHECK(is_floating(dtype), DTypeError, "{}.to: expected a floating dtype, got {}", type_name_, dtype_name(dtype));
   for (auto& [name, p] : named_parameters()) {
     convert_in_place(p, dtype);
     if (p.grad().defined()) convert_in_place(p.grad(), dtype);
   }
   for (auto& [name, b] : named_buffers()) convert_in_place(b, dtype);
+  return *this;
 }
 
 void Module::zero_grad(bool set_to_none) {
@@ -140,6 +181,10 @@ void Module::zero_grad(bool set_to_none) {
     } else {
       NoGradGuard no_grad;
       Tensor g = p.grad();
+      if (g.grad_fn()) {  // a gradient from backward(create_graph=true): keep its storage, drop the graph
+        g = g.detach();
+        p.set_grad(g);
+      }
       g.zero_();
     }
   }
@@ -177,9 +222,34 @@ IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
                  "load_state_dict: size mismatch for \"{}\": the checkpoint has shape {}, the model has {}", name,
                  shape_str(it->second->shape()), shape_str(t.shape()));
   }
-  for (const auto& [name, t] : state) {
-    if (std::none_of(mine.begin(), mine.end(), [&](const auto& p) { return p.first == name; })) unexpected.push_back(name);
-  }
+  // Unexpected keys in PyTorch's order: module by module as state_dict walks them, each module
+  // naming the checkpoint keys under its prefix whose next component is neither one of its
+  // children nor one of its own parameters / persistent buffers. Stricter than PyTorch in two
+  // corners it skips silently: a key continuing past a tensor's name ("emb.weight.x") and a key
+  // that is a bare child name ("body").
+  std::function<void(const Module&, const std::string&)> walk = [&](const Module& m, const std::string& prefix) {
+    const auto is_child = [&](const std::string& n) {
+      return std::any_of(m.children_.begin(), m.children_.end(), [&](const auto& c) { return c.first == n; });
+    };
+    const auto is_local = [&](const std::string& n) {
+      const auto named = [&](const NamedTensors& list) {
+        return std::any_of(list.begin(), list.end(), [&](const auto& p) { return p.first == n && p.second.defined(); });
+      };
+      return named(m.params_) ||
+             (named(m.buffers_) && std::find(m.non_persistent_.begin(), m.non_persistent_.end(), n) == m.non_persistent_.end());
+    };
+    for (const auto& [key, t] : state) {
+      if (key.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string rest = key.substr(prefix.size());
+      const size_t dot = rest.find('.');
+      const std::string first = rest.substr(0, dot);
+      const bool more = dot != std::string::npos;
+      if ((more && is_child(first)) || (!more && is_local(first))) continue;
+      if (std::find(unexpected.begin(), unexpected.end(), key) == unexpected.end()) unexpected.push_back(key);
+    }
+    for (const auto& [name, child] : m.children_) walk(*child, prefix + name + ".");
+  };
+  walk(*this, "");
   if (strict && (!missing.empty() || !unexpected.empty())) {
     auto join = [](const std::vector<std::string>& v) {
       std::string s;
@@ -200,22 +270,28 @@ IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
 }
 
 std::string Module::to_string() const {
-  std::ostringstream os;
-  os << type_name_ << "(" << extra_repr();
-  if (!children_.empty()) {
-    os << "\n";
-    for (const auto& [name, c] : children_) {
-      std::string inner = c->to_string();
-      std::string indented;
-      for (char ch : inner) {
-        indented += ch;
-        if (ch == '\n') indented += "  ";
-      }
-      os << "  (" << name << "): " << indented << "\n";
+  // PyTorch's Module.__repr__: a one-line extra_repr alone goes inside the parentheses; with
+  // children (or a multi-line extra_repr), every line goes on its own, indented by two.
+  const auto indent = [](const std::string& text) {
+    std::string out;
+    for (char ch : text) {
+      out += ch;
+      if (ch == '\n') out += "  ";
     }
+    return out;
+  };
+  std::vector<std::string> lines;
+  const std::string extra = extra_repr();
+  if (!extra.empty()) lines.push_back(indent(extra));
+  for (const auto& [name, c] : children_) lines.push_back("(" + name + "): " + indent(c->to_string()));
+  std::string s = type_name_ + "(";
+  if (children_.empty() && !extra.empty() && extra.find('\n') == std::string::npos) {
+    s += extra;
+  } else if (!lines.empty()) {
+    for (const auto& line : lines) s += "\n  " + line;
+    s += "\n";
   }
-  os << ")";
-  return os.str();
+  return s + ")";
 }
 
 }  // namespace tandem::nn

@@ -4,6 +4,7 @@
 // optimizers, so to(dtype) and load_state_dict change values in place, never rebind.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,39 +45,57 @@ class Module : public std::enable_shared_from_this<Module> {
     return m;
   }
 
-  // ---- traversal (a tensor shared by two modules, e.g. tied weights, is listed once) ----
+  // ---- traversal, in registration order, depth first (PyTorch's order) ----
+  // As in PyTorch, a tensor shared by two modules (tied weights) and a module registered under
+  // two names are listed once, under the first name met.
   NamedTensors named_parameters(bool recurse = true) const;
   std::vector<Tensor> parameters(bool recurse = true) const;
   NamedTensors named_buffers(bool recurse = true) const;
   std::vector<Tensor> buffers(bool recurse = true) const;
-  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const { return children_; }
-  // This module (name "") and every descendant, depth first.
+  // Direct children (a module registered twice here: once, under its first name).
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const;
+  std::vector<std::shared_ptr<Module>> children() const;
+  // This module (name "") and every descendant, depth first, each module once. Works on a module
+  // not owned by a shared_ptr too: its own entry then does not own it.
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_modules();
+  std::vector<std::shared_ptr<Module>> modules();
+  // Calls fn on every child's subtree (children() order, recursively), then on this module — the
+  // post-order of PyTorch's Module.apply (e.g. a custom init). Returns *this.
+  Module& apply(const std::function<void(Module&)>& fn);
   // Total number of parameter elements.
   int64_t num_parameters() const;
 
-  // ---- mode and dtype ----
-  virtual void train(bool on = true);
-  void eval() { train(false); }
+  // ---- mode and dtype (each returns *this, as PyTorch's return self) ----
+  // Sets this module and every descendant to training (on) or evaluation mode.
+  virtual Module& train(bool on = true);
+  Module& eval() { return train(false); }
   bool is_training() const { return training_; }
+  // Sets requires_grad on every parameter (freezing: requires_grad_(false)).
+  Module& requires_grad_(bool requires_grad = true);
   // Converts floating parameters and buffers (and their grads) to `dtype`, in place.
-  void to(DType dtype);
-  // Drops (set_to_none) or zeroes every parameter's gradient.
+  Module& to(DType dtype);
+  // Drops (set_to_none) or zeroes every parameter's gradient. Note the default: true, as in
+  // PyTorch 2.x (PyTorch 1.13's default was false). Zeroing keeps the gradient tensor but cuts
+  // any graph it carries (a create_graph backward), as PyTorch's detach_() does.
   void zero_grad(bool set_to_none = true);
 
   // ---- state ----
   // Parameters and persistent buffers with dotted names, values shared (not copied). A tied
-  // tensor appears under each of its names, as in PyTorch.
+  // tensor, and a submodule registered under two names, appear under each name, as in PyTorch.
+  // Unlike PyTorch's (detached) values these are the parameters themselves: write into them
+  // under NoGradGuard.
   StateDict state_dict() const;
   // Copies values in (converted to each tensor's dtype). strict: every key must match both ways,
   // else ValueError listing the missing and unexpected keys; not strict: only the common keys are
-  // copied and the others are returned, as PyTorch's load_state_dict returns them. A shape
+  // copied and the others are returned, as PyTorch's load_state_dict returns them (missing in
+  // state_dict order; unexpected module by module in traversal order, as PyTorch lists them;
+  // a non-persistent buffer's name is unexpected). A shape
   // mismatch always throws ValueError naming the key and both shapes. Every check runs before
   // anything is copied, so a throw leaves the module unchanged.
   IncompatibleKeys load_state_dict(const StateDict& state, bool strict = true);
 
   const std::string& type_name() const { return type_name_; }
-  // A one-line-per-module summary like PyTorch's repr.
+  // The module tree printed as PyTorch's repr prints it (extra_repr() inside the parentheses).
   std::string to_string() const;
   virtual std::string extra_repr() const { return ""; }
 

@@ -49,8 +49,8 @@ double BatchNorm::running_average_factor() const {
 
 std::string BatchNorm::extra_repr() const {
   return fmt::format("{}, eps={}, momentum={}, affine={}, track_running_stats={}", num_features, options.eps,
-                     options.momentum ? fmt::format("{}", *options.momentum) : "None", options.affine,
-                     options.track_running_stats);
+                     options.momentum ? fmt::format("{}", *options.momentum) : "None", options.affine ? "True" : "False",
+                     options.track_running_stats ? "True" : "False");
 }
 
 LayerNorm::LayerNorm(Shape shape, double e, bool affine, bool with_bias)
@@ -64,7 +64,11 @@ LayerNorm::LayerNorm(Shape shape, double e, bool affine, bool with_bias)
 Tensor LayerNorm::forward(const Tensor& x) { return ops::layer_norm(x, normalized_shape, weight, bias, eps); }
 
 std::string LayerNorm::extra_repr() const {
-  return fmt::format("{}, eps={}, elementwise_affine={}", shape_str(normalized_shape), eps, weight.defined());
+  // PyTorch prints normalized_shape as a tuple: "(256,), eps=1e-05, elementwise_affine=True".
+  std::string shape = "(";
+  for (size_t i = 0; i < normalized_shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(normalized_shape[i]);
+  shape += normalized_shape.size() == 1 ? ",)" : ")";
+  return fmt::format("{}, eps={}, elementwise_affine={}", shape, eps, weight.defined() ? "True" : "False");
 }
 
 GroupNorm::GroupNorm(int64_t g, int64_t c, double e, bool affine)
@@ -78,6 +82,8 @@ GroupNorm::GroupNorm(int64_t g, int64_t c, double e, bool affine)
 
 Tensor GroupNorm::forward(const Tensor& x) { return ops::group_norm(x, num_groups, weight, bias, eps); }
 
-std::string GroupNorm::extra_repr() const { return fmt::format("{}, {}, eps={}", num_groups, num_channels, eps); }
+std::string GroupNorm::extra_repr() const {
+  return fmt::format("{}, {}, eps={}, affine={}", num_groups, num_channels, eps, weight.defined() ? "True" : "False");
+}
 
 }  // namespace tandem::nn

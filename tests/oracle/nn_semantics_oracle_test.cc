@@ -1,0 +1,224 @@
+// nn::Module against torch 1.13's nn.Module (tests/oracle/nn_semantics_oracle.py): for W1 (mlp),
+// W2 (cnn), W3 (gpt), the CIFAR ResNet-18 (torchvision's names, a 3x3 stride-1 stem and no
+// max-pool) and a model with a tied weight and a submodule under two names, the lists
+// named_parameters, named_buffers and state_dict (names, shapes, order), named_modules and
+// named_children (names, types, order, de-duplication), the order apply() visits modules, and
+// the printed form; and the missing / unexpected keys of a non-strict load_state_dict.
+// Exact comparisons: these are names and orders, there is no tolerance to state.
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "util/test_util.h"
+
+namespace td = tandem;
+namespace nn = tandem::nn;
+using td::Tensor;
+
+namespace {
+
+// The Python Tied model, as Tandem writes it: head is a Linear(4, 5, bias=False) whose weight is
+// emb.weight (PyTorch: head.weight = emb.weight), shared is body[0] under a second name.
+class TiedHead : public nn::Module {
+ public:
+  explicit TiedHead(const Tensor& weight) : Module("Linear") { register_parameter("weight", weight); }
+  std::string extra_repr() const override { return "in_features=4, out_features=5, bias=False"; }
+};
+
+class Tied : public nn::Module {
+ public:
+  Tied() : Module("Tied") {
+    register_buffer("steps", td::zeros({}));
+    register_buffer("scratch", td::zeros({3}), /*persistent=*/false);
+    emb = register_module("emb", std::make_shared<nn::Embedding>(5, 4));
+    body = register_module("body", std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+                                       std::make_shared<nn::Linear>(4, 4), std::make_shared<nn::ReLU>()}));
+    register_module("head", std::make_shared<TiedHead>(emb->weight));
+    register_module("shared", (*body)[0]);
+  }
+  std::shared_ptr<nn::Embedding> emb;
+  std::shared_ptr<nn::Sequential> body;
+};
+
+std::string dims(const Tensor& t) {
+  std::string s;
+  for (size_t i = 0; i < t.shape().size(); ++i) s += (i ? "," : "") + std::to_string(t.shape()[i]);
+  return s;
+}
+
+using Sections = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+std::vector<std::string> section(const Sections& s, const std::string& name) {
+  for (const auto& [n, lines] : s)
+    if (n == name) return lines;
+  ADD_FAILURE() << "no section [" << name << "]";
+  return {};
+}
+
+// Reads the oracle's file: "[section]" headers, then lines; [repr] runs to the end of the file.
+Sections read_sections(const std::string& path) {
+  std::ifstream f(path);
+  Sections out;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.size() > 2 && line.front() == '[' && line.back() == ']' && (out.empty() || out.back().first != "repr")) {
+      out.emplace_back(line.substr(1, line.size() - 2), std::vector<std::string>{});
+    } else if (!out.empty()) {
+      out.back().second.push_back(line);
+    }
+  }
+  return out;
+}
+
+Sections describe(nn::Module& model) {
+  Sections s;
+  auto tensors = [](const nn::NamedTensors& v) {
+    std::vector<std::string> out;
+    for (const auto& [n, t] : v) out.push_back(n + " " + dims(t));
+    return out;
+  };
+  s.emplace_back("named_parameters", tensors(model.named_parameters()));
+  s.emplace_back("named_buffers", tensors(model.named_buffers()));
+  s.emplace_back("state_dict", tensors(model.state_dict()));
+  std::vector<std::string> mods, children, visited;
+  for (const auto& [n, m] : model.named_modules()) mods.push_back((n.empty() ? "-" : n) + " " + m->type_name());
+  for (const auto& [n, m] : model.named_children()) children.push_back(n + " " + m->type_name());
+  model.apply([&](nn::Module& m) { visited.push_back(m.type_name()); });
+  s.emplace_back("named_modules", mods);
+  s.emplace_back("named_children", children);
+  s.emplace_back("apply", visited);
+  std::vector<std::string> repr;
+  std::istringstream is(model.to_string());
+  for (std::string line; std::getline(is, line);) repr.push_back(line);
+  s.emplace_back("repr", repr);
+  return s;
+}
+
+// Keeps the lines whose module (first word) is in `keep` or whose type is not in `drop`.
+std::vector<std::string> without_types(const std::vector<std::string>& lines, const std::vector<std::string>& drop) {
+  std::vector<std::string> out;
+  for (const auto& l : lines) {
+    const std::string type = l.substr(l.find(' ') == std::string::npos ? 0 : l.find(' ') + 1);
+    if (std::find(drop.begin(), drop.end(), type) == drop.end()) out.push_back(l);
+  }
+  return out;
+}
+
+class NnSemanticsOracle : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (td::testing::torch_python().empty()) return;
+    dir_ = new td::testing::TempDir();
+    rc_ = td::testing::run_oracle("nn_semantics_oracle.py", {"describe", dir_->path()});
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  Sections torch_side(const std::string& model) {
+    EXPECT_EQ(rc_, 0) << "nn_semantics_oracle.py describe failed";
+    return read_sections(dir_->path() + "/" + model + ".txt");
+  }
+  // Every listed section equal, line for line.
+  void compare(const std::string& model, nn::Module& mine, const std::vector<std::string>& sections) {
+    const Sections torch = torch_side(model), ours = describe(mine);
+    for (const auto& name : sections) EXPECT_EQ(section(ours, name), section(torch, name)) << model << " [" << name << "]";
+  }
+  static td::testing::TempDir* dir_;
+  static int rc_;
+};
+td::testing::TempDir* NnSemanticsOracle::dir_ = nullptr;
+int NnSemanticsOracle::rc_ = -1;
+
+const std::vector<std::string> kLists = {"named_parameters", "named_buffers", "state_dict", "named_modules",
+                                         "named_children", "apply"};
+
+}  // namespace
+
+TEST_F(NnSemanticsOracle, MlpW1) {
+  TANDEM_REQUIRE_TORCH();
+  auto model = nn::models::mlp();
+  std::vector<std::string> all = kLists;
+  all.push_back("repr");
+  compare("mlp", *model, all);
+}
+
+TEST_F(NnSemanticsOracle, CnnW2) {
+  TANDEM_REQUIRE_TORCH();
+  auto model = nn::models::cnn();
+  std::vector<std::string> all = kLists;
+  all.push_back("repr");  // Conv2d, BatchNorm2d, ReLU, Linear as PyTorch prints them
+  compare("cnn", *model, all);
+}
+
+TEST_F(NnSemanticsOracle, GptW3) {
+  TANDEM_REQUIRE_TORCH();
+  auto model = nn::models::gpt();
+  std::vector<std::string> all = kLists;
+  all.push_back("repr");  // LayerNorm's "(256,)" tuple
+  compare("gpt", *model, all);
+}
+
+// resnet.h promises torchvision's names and shapes. Parameter-free modules torchvision keeps as
+// attributes (relu, maxpool = Identity for CIFAR, avgpool) are functions in Tandem, so module
+// lists are compared without them.
+TEST_F(NnSemanticsOracle, ResNet18TorchvisionNames) {
+  TANDEM_REQUIRE_TORCH();
+  auto model = nn::models::resnet18();
+  compare("resnet18", *model, {"named_parameters", "named_buffers", "state_dict"});
+  const Sections torch = torch_side("resnet18"), ours = describe(*model);
+  const std::vector<std::string> functional = {"ReLU", "Identity", "AdaptiveAvgPool2d"};
+  for (const char* name : {"named_modules", "named_children", "apply"})
+    EXPECT_EQ(section(ours, name), without_types(section(torch, name), functional)) << name;
+}
+
+TEST_F(NnSemanticsOracle, TiedWeightAndSharedSubmodule) {
+  TANDEM_REQUIRE_TORCH();
+  Tied model;
+  std::vector<std::string> all = kLists;
+  all.push_back("repr");
+  compare("tied", model, all);
+}
+
+// Non-strict load_state_dict reports what PyTorch reports, in PyTorch's order: missing keys in
+// state_dict order (a tied or shared tensor under each name the checkpoint lacks), unexpected
+// keys module by module in traversal order (the root's own, then each child's), and a
+// non-persistent buffer's name is unexpected. The one tensor behind body.0 and shared takes the
+// checkpoint's shared.weight.
+TEST_F(NnSemanticsOracle, NonStrictLoadReportsPyTorchsKeys) {
+  TANDEM_REQUIRE_TORCH();
+  const std::vector<std::pair<std::string, td::Shape>> cases = {
+      {"emb.weight", {5, 4}}, {"body.0.extra", {1}}, {"zzz", {2}},          {"body.1.weight", {2}},
+      {"shared.weight", {4, 4}}, {"scratch", {3}},   {"head.extra.x", {1}}, {"nochild.w", {1}}};
+  td::testing::TempDir dir;
+  {
+    std::ofstream f(dir.path() + "/case.txt");
+    for (const auto& [n, s] : cases) {
+      f << n << " ";
+      for (size_t i = 0; i < s.size(); ++i) f << (i ? "," : "") << s[i];
+      f << "\n";
+    }
+  }
+  ASSERT_EQ(td::testing::run_oracle("nn_semantics_oracle.py", {"load", dir.path() + "/case.txt", dir.path() + "/out.txt"}), 0);
+  std::vector<std::string> expected;
+  {
+    std::ifstream f(dir.path() + "/out.txt");
+    for (std::string line; std::getline(f, line);) expected.push_back(line);
+  }
+  ASSERT_FALSE(expected.empty());
+  Tied model;
+  nn::StateDict sd;
+  for (const auto& [n, s] : cases) sd.emplace_back(n, td::full(s, 3.0));
+  const nn::IncompatibleKeys keys = model.load_state_dict(sd, /*strict=*/false);
+  std::vector<std::string> got;
+  for (const auto& k : keys.missing_keys) got.push_back("missing " + k);
+  for (const auto& k : keys.unexpected_keys) got.push_back("unexpected " + k);
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(model.body->named_parameters()[0].second.to_vector(), std::vector<double>(16, 3.0));
+  EXPECT_EQ(model.emb->weight.to_vector(), std::vector<double>(20, 3.0));
+}
