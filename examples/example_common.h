@@ -2,8 +2,13 @@
 // writes; this header only keeps their boilerplate out of the way.
 #pragma once
 
+#include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -46,17 +51,31 @@ class Flags {
     }
     throw tandem::ValueError(fmt::format("--{}: \"{}\" is not a number", k, v));
   }
-  int64_t integer(const std::string& k, int64_t min = 0) const {
+  int64_t integer(const std::string& k, int64_t min = 0, int64_t max = INT64_MAX) const {
     const double d = num(k);
-    if (d != static_cast<double>(static_cast<int64_t>(d)) || d < static_cast<double>(min)) {
-      throw tandem::ValueError(fmt::format("--{}: expected an integer >= {}, got {}", k, min, values_.at(k)));
+    // Range first: converting a double outside int64's range (1e300, 2^63) is undefined.
+    if (!(d >= static_cast<double>(min) && d < 0x1p63 && d == std::floor(d)) || static_cast<int64_t>(d) > max) {
+      throw tandem::ValueError(max == INT64_MAX
+                                   ? fmt::format("--{}: expected an integer >= {}, got {}", k, min, values_.at(k))
+                                   : fmt::format("--{}: expected an integer in [{}, {}], got {}", k, min, max, values_.at(k)));
     }
     return static_cast<int64_t>(d);
+  }
+  // A finite number >= min (a learning rate of inf or nan trains nothing but NaNs).
+  double finite(const std::string& k, double min) const {
+    const double d = num(k);
+    if (!std::isfinite(d) || d < min) {
+      throw tandem::ValueError(fmt::format("--{}: expected a finite number >= {}, got {}", k, min, values_.at(k)));
+    }
+    return d;
   }
 
  private:
   std::map<std::string, std::string> values_;
 };
+
+// --threads above this is a typo, not a machine (and would fail creating threads).
+inline constexpr int64_t kMaxThreads = 1024;
 
 // A Fisher-Yates permutation of [0, n) from a seeded Philox generator.
 inline tandem::Tensor permutation(int64_t n, uint64_t seed) {
@@ -70,16 +89,48 @@ inline tandem::Tensor permutation(int64_t n, uint64_t seed) {
   return idx;
 }
 
-// Writes `j` to `path` atomically (temporary file, then rename).
+// Fails early (before any training) when `path` cannot receive a summary: an existing directory,
+// or a directory that cannot be written (write_summary creates path + ".tmp" there).
+inline void check_summary_path(const std::string& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw tandem::IOError(fmt::format("--summary-json: {} is a directory; give a file name", path));
+  }
+  const std::string tmp = path + ".tmp";
+  const bool existed = std::filesystem::exists(tmp, ec);
+  {
+    std::ofstream f(tmp, std::ios::app);
+    if (!f) throw tandem::IOError(fmt::format("--summary-json: cannot write {}: {}", tmp, std::strerror(errno)));
+  }
+  if (!existed) std::filesystem::remove(tmp, ec);
+}
+
+// Writes `j` to `path` atomically (temporary file, then rename): a reader sees the old file or
+// the whole new one. A failed write (disk full, file size limit) removes the temporary file and
+// throws IOError; `path` is never left half-written.
 inline void write_summary(const std::string& path, const nlohmann::json& j) {
   if (path.empty()) return;
   const std::string tmp = path + ".tmp";
+  bool ok;
   {
-    std::ofstream f(tmp);
-    if (!f) throw tandem::IOError(fmt::format("cannot write {}", tmp));
+    std::ofstream f(tmp, std::ios::trunc);
+    if (!f) throw tandem::IOError(fmt::format("cannot write {}: {}", tmp, std::strerror(errno)));
     f << j.dump(2) << "\n";
+    f.close();
+    ok = !f.fail();
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw tandem::IOError(fmt::format("cannot rename {} to {}", tmp, path));
+  std::error_code ec;
+  if (!ok) {
+    const int err = errno;
+    std::filesystem::remove(tmp, ec);
+    throw tandem::IOError(fmt::format("cannot write {}: {}", tmp, std::strerror(err)));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::filesystem::remove(tmp, ec);
+    throw tandem::IOError(fmt::format("cannot rename {} to {}: {}", tmp, path, std::strerror(err)));
+  }
 }
 
 // --precision fp32|bf16|f16|auto and --opt-level O0..O3 (usage text: kPrecisionUsage). Without

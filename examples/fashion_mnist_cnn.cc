@@ -28,9 +28,16 @@ int main(int argc, char** argv) try {
                                   std::string(examples::kPrecisionUsage) +
                                   "\n  --update-bn BATCHES: before the test, recompute BatchNorm's running statistics with the final "
                                   "weights over this many training batches (torch.optim.swa_utils.update_bn; default 100, 0: off)");
+  // Every flag is checked here, before the data is read and anything trains.
   const int64_t epochs = flags.integer("epochs", 1), batch_size = flags.integer("batch-size", 1);
-  const int threads = static_cast<int>(flags.integer("threads", 1));
+  const int threads = static_cast<int>(flags.integer("threads", 1, examples::kMaxThreads));
   const uint64_t seed = static_cast<uint64_t>(flags.integer("seed"));
+  const bool normalize = flags.integer("normalize", 0, 1) != 0;
+  const int64_t update_bn_batches = flags.integer("update-bn");
+  const double lr = flags.finite("lr", 0.0), weight_decay = flags.finite("weight-decay", 0.0);
+  const std::string summary_path = flags.str("summary-json");
+  (void)td::amp::parse_precision(flags.str("precision"));  // throws naming a bad value
+  examples::check_summary_path(summary_path);
   td::set_num_threads(threads);
   td::manual_seed(seed);
 
@@ -39,23 +46,26 @@ int main(int argc, char** argv) try {
   const auto test = td::data::fashion_mnist("test", root);
   // (N, 1, 28, 28): standardised, or plain [0, 1] pixels (what torchvision's ToTensor gives).
   auto pixels = [&](const td::Tensor& u8) {
-    return flags.integer("normalize") ? examples::normalise_fashion(u8) : td::ops::mul(u8.to(td::kFloat32), 1.0 / 255.0);
+    return normalize ? examples::normalise_fashion(u8) : td::ops::mul(u8.to(td::kFloat32), 1.0 / 255.0);
   };
   const td::Tensor x_train = pixels(train.images).unsqueeze(1);
   const td::Tensor x_test = pixels(test.images).unsqueeze(1);
+  if (batch_size > train.size()) {
+    throw td::ValueError(fmt::format("--batch-size {} exceeds the {} training images", batch_size, train.size()));
+  }
   std::printf("fashion-mnist: %lld train, %lld test images; %d thread(s); cpu: %s\n",
               static_cast<long long>(train.size()), static_cast<long long>(test.size()), threads,
               td::cpu_features().summary().c_str());
 
   auto model = td::nn::models::cnn();
-  td::optim::AdamW opt(model->parameters(), {.lr = flags.num("lr"), .weight_decay = flags.num("weight-decay")});
+  td::optim::AdamW opt(model->parameters(), {.lr = lr, .weight_decay = weight_decay});
   examples::Precision precision(flags, *model, opt);
   td::reset_peak_allocated_bytes();
 
   const examples::ClassifierResult r =
       examples::train_classifier(*model, opt, precision, x_train, train.labels, x_test, test.labels, epochs, batch_size, seed,
-                                 flags.integer("update-bn"));
-  examples::report_classifier(r, flags.str("summary-json"), epochs, batch_size, threads, precision);
+                                 update_bn_batches);
+  examples::report_classifier(r, summary_path, epochs, batch_size, threads, precision);
   return 0;
 } catch (const std::exception& e) {
   return tandem::report(e);

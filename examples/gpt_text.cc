@@ -21,10 +21,24 @@ int main(int argc, char** argv) try {
                               "gpt_text [--steps N] [--batch-size B] [--context T] [--lr LR] [--threads T] [--seed S] "
                               "[--corpus PATH] [--log-every K] [--sample N] [--summary-json PATH] " +
                                   std::string(examples::kPrecisionUsage));
+  // Every flag is checked here, before anything runs: a bad --sample or --summary-json must not
+  // cost a whole training run.
   const int64_t steps = flags.integer("steps", 1), batch_size = flags.integer("batch-size", 1);
   const int64_t context = flags.integer("context", 1), log_every = flags.integer("log-every", 1);
-  const int threads = static_cast<int>(flags.integer("threads", 1));
+  const int threads = static_cast<int>(flags.integer("threads", 1, examples::kMaxThreads));
   const uint64_t seed = static_cast<uint64_t>(flags.integer("seed"));
+  const int64_t sample = flags.integer("sample");
+  const double lr = flags.finite("lr", 0.0);
+  const std::string summary_path = flags.str("summary-json");
+  // The loader keeps one index per window of the epoch (8 bytes each): 2^30 windows is 8 GiB and
+  // years of training here; more used to overflow or fail in std::vector with no flag named.
+  constexpr int64_t kMaxWindows = int64_t{1} << 30;
+  if (steps > kMaxWindows / batch_size) {
+    throw td::ValueError(fmt::format("--steps {} x --batch-size {}: more than 2^30 training windows in one run", steps,
+                                     batch_size));
+  }
+  (void)td::amp::parse_precision(flags.str("precision"));  // throws naming a bad value
+  examples::check_summary_path(summary_path);
   td::set_num_threads(threads);
   td::manual_seed(seed);
 
@@ -36,7 +50,7 @@ int main(int argc, char** argv) try {
               td::cpu_features().summary().c_str());
 
   auto model = td::nn::models::gpt({.context = context});
-  td::optim::AdamW opt(model->parameters(), {.lr = flags.num("lr")});
+  td::optim::AdamW opt(model->parameters(), {.lr = lr});
   examples::Precision precision(flags, *model, opt);
   std::printf("gpt: %lld parameters; precision %s\n", static_cast<long long>(model->num_parameters()),
               precision.describe().c_str());
@@ -72,7 +86,7 @@ int main(int argc, char** argv) try {
               tokens_per_s, static_cast<long long>(peak), seconds);
 
   // ---- sample ----
-  if (const int64_t n = flags.integer("sample"); n > 0) {
+  if (const int64_t n = sample; n > 0) {
     model->eval();
     const std::string prompt = "The ";
     td::Tensor idx = td::empty({1, static_cast<int64_t>(prompt.size())}, td::kInt64);
@@ -84,7 +98,7 @@ int main(int argc, char** argv) try {
     for (int64_t i = 0; i < out.size(1); ++i) text += static_cast<char>(out.data_ptr<int64_t>()[i]);
     std::printf("---- sample ----\n%s\n----------------\n", text.c_str());
   }
-  examples::write_summary(flags.str("summary-json"),
+  examples::write_summary(summary_path,
                           {{"final_loss", final_loss}, {"tokens_per_s", tokens_per_s}, {"peak_bytes", peak},
                            {"train_seconds", seconds}, {"steps", step}, {"batch_size", batch_size},
                            {"context", context}, {"threads", threads},
