@@ -211,12 +211,12 @@ class Sweep {
                                                     << ")";
         ++compared;
         // A tolerance near the values' own size would make a comparison that cannot fail. (Results
-        // far below the O(1) inputs and weights are cancellations, e.g. layer_norm over 2 elements
-        // has an input gradient of ~eps: there the check is that they do cancel.)
+        // well below the O(1) inputs and weights are cancellations, e.g. layer_norm over 2 elements
+        // has an input gradient of ~eps / var: there the check is that they do cancel.)
         double largest = 0;
         for (double e : want.to_vector())
           if (std::isfinite(e)) largest = std::max(largest, std::abs(e));
-        if (largest > 1e-3) EXPECT_LE(atol, 0.02 * largest) << key << " {" << c.spec << "}: atol is too loose to test anything";
+        if (largest > 0.1) EXPECT_LE(atol, 0.02 * largest) << key << " {" << c.spec << "}: atol is too loose to test anything";
       };
       // The op's output has the input's dtype; extra outputs (running stats) keep their own (out_dts).
       for (size_t k = 0; k < c.outputs.size(); ++k)
@@ -549,6 +549,10 @@ void add_group_norm(Sweep& s, DType dt, bool empty) {
   Shape shape{empty ? 0 : s.uni(1, 3), C};
   const int64_t extra = s.uni(0, 2);
   for (int64_t i = 0; i < extra; ++i) shape.push_back(s.uni(1, 5));
+  if (s.coin(0.2)) {  // rows past one 256-element block
+    const int64_t side = s.pick<int64_t>({9, 17});
+    shape.resize(2), shape.push_back(side), shape.push_back(side);
+  }
   if (shape_numel(shape) > 0 && shape_numel(shape) / shape[0] / num_groups == 1) shape.push_back(2);
   const bool weight = s.coin(0.6), bias = s.coin(0.6);
   const double eps = s.pick<double>({1e-5, 1e-3, 0.1});
