@@ -4,6 +4,7 @@ names and prints the reference models and a model with tied weights and a shared
 usage:
   nn_semantics_oracle.py describe OUT_DIR
   nn_semantics_oracle.py load CASE_FILE OUT_FILE
+  nn_semantics_oracle.py resnet IN_DIR OUT_DIR
 
 describe: for each model M of MODELS writes OUT_DIR/M.txt, one section after another:
   [named_parameters] / [named_buffers] / [state_dict]: "name d0,d1,..." per entry, in order
@@ -14,6 +15,10 @@ load: CASE_FILE holds "name d0,d1,..." lines; a state dict of zeros with those n
   is loaded into Tied() with strict=False, and OUT_FILE gets "missing <key>" and
   "unexpected <key>" lines in the order PyTorch reports them; a RuntimeError (size mismatch)
   writes "error" instead.
+resnet: IN_DIR holds Tandem's ResNet-18 state_dict as "init.<name>", an input batch "x" and
+  weights "w" for the logits. The state loads strictly into ResNet() below; OUT_DIR gets
+  "train_logits" (training mode), "grad.<param>" (gradients of sum(train_logits * w)),
+  "running.<name>" (every BatchNorm buffer after that forward) and "eval_logits" (eval mode).
 """
 
 import sys
@@ -21,6 +26,7 @@ import sys
 import torch
 import torch.nn as nn
 
+import tensor_io
 from nn_oracle import CNN, GPT
 
 
@@ -47,6 +53,11 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.downsample = downsample
 
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
 
 class ResNet(nn.Module):
     def __init__(self, num_classes=10):
@@ -64,6 +75,11 @@ class ResNet(nn.Module):
             cin = planes
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 class Tied(nn.Module):
@@ -127,9 +143,35 @@ def load(case_file, out_file):
     return 0
 
 
+def resnet(in_dir, out_dir):
+    tensors = tensor_io.load(in_dir)
+    model = ResNet()
+    model.load_state_dict({k[len("init."):]: v for k, v in tensors.items() if k.startswith("init.")}, strict=True)
+    out = {}
+    logits = model(tensors["x"])
+    (logits * tensors["w"]).sum().backward()
+    out["train_logits"] = logits.detach()
+    for name, p in model.named_parameters():
+        out[f"grad.{name}"] = p.grad
+    for name, b in model.named_buffers():
+        out[f"running.{name}"] = b
+    model.eval()
+    with torch.no_grad():
+        out["eval_logits"] = model(tensors["x"])
+    # The same in float64: how far float32 itself is from the exact gradients.
+    m64 = ResNet().double()
+    m64.load_state_dict({k[len("init."):]: v.double() if v.is_floating_point() else v
+                         for k, v in tensors.items() if k.startswith("init.")}, strict=True)
+    (m64(tensors["x"].double()) * tensors["w"].double()).sum().backward()
+    for name, p in m64.named_parameters():
+        out[f"grad64.{name}"] = p.grad
+    tensor_io.save(out_dir, out)
+    return 0
+
+
 def main():
     torch.set_num_threads(1)
-    modes = {"describe": describe, "load": load}
+    modes = {"describe": describe, "load": load, "resnet": resnet}
     if len(sys.argv) < 2 or sys.argv[1] not in modes:
         print(f"nn_semantics_oracle.py: expected a mode ({', '.join(modes)})", file=sys.stderr)
         return 2

