@@ -18,7 +18,8 @@ load: CASE_FILE holds "name d0,d1,..." lines; a state dict of zeros with those n
 resnet: IN_DIR holds Tandem's ResNet-18 state_dict as "init.<name>", an input batch "x" and
   weights "w" for the logits. The state loads strictly into ResNet() below; OUT_DIR gets
   "train_logits" (training mode), "grad.<param>" (gradients of sum(train_logits * w)),
-  "running.<name>" (every BatchNorm buffer after that forward) and "eval_logits" (eval mode).
+  "running.<name>" (every BatchNorm buffer after that forward), "eval_logits" (eval mode) and
+  "grad64.<param>" (the same gradients computed in float64).
 """
 
 import sys

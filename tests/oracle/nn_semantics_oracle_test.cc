@@ -276,27 +276,59 @@ TEST_F(NnSemanticsOracle, ResNet18ForwardMatchesTorch) {
   run.model->eval();
   td::NoGradGuard no_grad;
   EXPECT_TRUE(run.close((*run.model)(run.x), "eval_logits"));
-  // The backward ran; its values are checked by the (disabled) test below.
-  EXPECT_TRUE(run.model->conv1->weight.grad().defined());
+  EXPECT_TRUE(run.model->conv1->weight.grad().defined());  // gradients: the next test
 }
 
-// KNOWN FAILURE, left for the owner of ops/kernels (issue #4 review): with seed 3, Tandem's f32
-// gradients differ from torch's (f32 and f64 alike; torch's f32 meets this bound against its
-// f64) by up to 3% for 17 parameters, layer2.0.conv1 / layer2.0.bn1.bias back to conv1; the rest,
-// the forward and the running statistics match (a stem-less variant fails from layer2.1.conv1
-// back). Tandem in f64
-// matches torch to ~5e-6, so the f32 path is at fault, not conditioning. The same layers in
-// isolation (one conv 128->128 3x3 on 16x16 in either layout, one BasicBlock, layer1+layer2
-// chains, BatchNorm+ReLU) agree with f64 on fresh random data, and another seed passes the whole
-// model: it depends on the data or on what memory held before (stale scratch / accumulate-into-
-// uninitialised buffer is a suspect). Run with --gtest_also_run_disabled_tests.
-TEST_F(NnSemanticsOracle, DISABLED_ResNet18GradientsMatchTorch) {
+// Backward: the gradients of sum(logits * w) for every parameter. ReLU's derivative jumps at 0, so
+// an f32-vs-f64 (or Tandem-vs-torch) comparison of gradients holds only where no ReLU input lies
+// within rounding of 0: with seed 3 one element of layer2.0's first ReLU input is 9.4e-7 in f64
+// and rounds to the other side in Tandem's f32, and that single flipped mask moves gradients from
+// layer2.0 back to conv1 by up to 3% (not a bug: Tandem in f64 matches torch to ~5e-6). So the
+// test asserts, with Tandem's f64 forward, that no ReLU mask differs from f32 for its inputs, and
+// checks torch's own f32 against its f64 under the same bound.
+int relu_mask_flips(nn::models::ResNet18& m32, const Tensor& x) {
+  auto m64 = nn::models::resnet18();
+  m64->load_state_dict(m32.state_dict());
+  m64->to(td::kFloat64);
+  td::NoGradGuard no_grad;
+  auto relu_inputs = [](nn::models::ResNet18& m, const Tensor& in) {
+    std::vector<Tensor> out;
+    out.push_back((*m.bn1)((*m.conv1)(in)));
+    Tensor h = td::ops::relu(out.back());
+    for (const auto& layer : {m.layer1, m.layer2, m.layer3, m.layer4}) {
+      for (const auto& item : *layer) {
+        auto& b = dynamic_cast<nn::models::BasicBlock&>(*item);
+        out.push_back((*b.bn1)((*b.conv1)(h)));
+        out.push_back(td::ops::add((*b.bn2)((*b.conv2)(td::ops::relu(out.back()))), b.downsample ? (*b.downsample)(h) : h));
+        h = td::ops::relu(out.back());
+      }
+    }
+    return out;
+  };
+  const bool was_training = m32.is_training();
+  const std::vector<Tensor> a = relu_inputs(m32, x), b = relu_inputs(*m64, x.to(td::kFloat64));
+  m32.train(was_training);
+  int flips = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const std::vector<double> va = a[i].to(td::kFloat64).contiguous().to_vector(), vb = b[i].contiguous().to_vector();
+    for (size_t j = 0; j < va.size(); ++j) flips += (va[j] > 0) != (vb[j] > 0);
+  }
+  return flips;
+}
+
+TEST_F(NnSemanticsOracle, ResNet18GradientsMatchTorch) {
   TANDEM_REQUIRE_TORCH();
-  ResNetRun run(3);
+  ResNetRun run(5);  // seeds 5, 7, 9, 11 have no mask within rounding of 0; 3, 4, 6, 8, 10 have one
   ASSERT_EQ(run.rc, 0);
+  // A snapshot of the weights before the run's training-mode forward changed the running stats
+  // does not matter here: training-mode BatchNorm uses batch statistics only.
+  ASSERT_EQ(relu_mask_flips(*run.model, run.x), 0) << "a ReLU input rounds across 0 in f32: choose another seed";
   for (const auto& [n, p] : run.model->named_parameters()) {
     EXPECT_TRUE(run.close(p.grad(), "grad." + n)) << n;
-    const Tensor torch32 = td::testing::find_tensor(run.torch, "grad." + n);
-    EXPECT_TRUE(run.close(torch32, "grad64." + n)) << "torch f32 vs torch f64 (the bound is achievable): " << n;
+    EXPECT_TRUE(run.close(td::testing::find_tensor(run.torch, "grad." + n), "grad64." + n)) << "torch f32 vs f64: " << n;
   }
+  // Seed 3 is the counter-example above: one flipped mask, and this comparison would fail.
+  td::manual_seed(3);
+  auto model3 = nn::models::resnet18();
+  EXPECT_EQ(relu_mask_flips(*model3, td::randn({4, 3, 32, 32})), 1);
 }
