@@ -19,11 +19,7 @@ using td::Tensor;
 
 namespace {
 
-std::vector<std::string> names(const nn::NamedTensors& v) {
-  std::vector<std::string> out;
-  for (const auto& [n, t] : v) out.push_back(n);
-  return out;
-}
+using td::testing::names;
 
 template <class M>
 std::vector<std::string> module_names(const std::vector<std::pair<std::string, std::shared_ptr<M>>>& v) {

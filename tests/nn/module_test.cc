@@ -15,11 +15,7 @@ using td::Tensor;
 
 namespace {
 
-std::vector<std::string> names(const nn::NamedTensors& v) {
-  std::vector<std::string> out;
-  for (const auto& [n, t] : v) out.push_back(n);
-  return out;
-}
+using td::testing::names;
 
 void expect_value_error_naming(const std::function<void()>& fn, const std::string& key) {
   try {

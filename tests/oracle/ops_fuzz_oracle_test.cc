@@ -163,19 +163,8 @@ class Sweep {
         const Tensor term = ops::sum(ops::mul(o, w));
         loss = loss.defined() ? ops::add(loss, term) : term;
       }
-      std::vector<Tensor> leaves;
-      for (const Tensor& in : c.inputs)
-        if (in.requires_grad()) leaves.push_back(in);
-      c.grads.assign(c.inputs.size(), Tensor());
-      if (loss.defined() && loss.requires_grad() && !leaves.empty()) {
-        const std::vector<Tensor> g = autograd::grad({loss}, leaves);
-        size_t j = 0;
-        for (size_t i = 0; i < c.inputs.size(); ++i) {
-          if (!c.inputs[i].requires_grad()) continue;
-          c.grads[i] = g[j].defined() ? g[j] : zeros(c.inputs[i].shape(), c.inputs[i].dtype());
-          ++j;
-        }
-      }
+      c.grads = loss.defined() && loss.requires_grad() ? testing::input_grads(loss, c.inputs)
+                                                      : std::vector<Tensor>(c.inputs.size());
     }
     specs = "{\n" + specs + "\n}\n";
     testing::TempDir in, out;
@@ -241,6 +230,17 @@ std::string activation_view(Sweep& s) {
 
 // ---------------------------------------------------------------------------------- conv2d
 
+// A conv2d case's spec for the oracle and the function it runs (bias when a third input exists).
+void set_conv(FuzzCase& c, const std::array<int64_t, 2>& stride, const std::array<int64_t, 2>& pad,
+              const std::array<int64_t, 2>& dil, int64_t g) {
+  c.spec = fmt::format("\"op\": \"conv2d\", \"stride\": {}, \"padding\": {}, \"dilation\": {}, \"groups\": {}",
+                       json_pair(stride), json_pair(pad), json_pair(dil), g);
+  const ops::Conv2dOptions o{stride, pad, dil, g};
+  c.fn = [o](const std::vector<Tensor>& v) {
+    return std::vector<Tensor>{ops::conv2d(v[0], v[1], v.size() > 2 ? v[2] : Tensor(), o)};
+  };
+}
+
 void add_conv(Sweep& s, DType dt, bool empty) {
   FuzzCase& c = s.start("conv2d", dt);
   int64_t g = 1, Cg, O;
@@ -279,12 +279,7 @@ void add_conv(Sweep& s, DType dt, bool empty) {
   s.input(c, {N, C, size[0], size[1]}, xv);
   s.input(c, {O, Cg, k[0], k[1]}, wv);
   if (bias) s.input(c, {O}, "");
-  c.spec = fmt::format("\"op\": \"conv2d\", \"stride\": {}, \"padding\": {}, \"dilation\": {}, \"groups\": {}",
-                       json_pair(stride), json_pair(pad), json_pair(dil), g);
-  const ops::Conv2dOptions o{stride, pad, dil, g};
-  c.fn = [o](const std::vector<Tensor>& v) {
-    return std::vector<Tensor>{ops::conv2d(v[0], v[1], v.size() > 2 ? v[2] : Tensor(), o)};
-  };
+  set_conv(c, stride, pad, dil, g);
   int64_t OH = 1, OW = 1;
   OH = (size[0] + 2 * pad[0] - span[0]) / stride[0] + 1;
   OW = (size[1] + 2 * pad[1] - span[1]) / stride[1] + 1;
@@ -309,12 +304,7 @@ void add_wide_conv(Sweep& s, DType dt) {
   s.input(c, {N, C, size[0], size[1]}, s.pick<std::string>({"", "cl", "cl", "t"}));
   s.input(c, {O, C / g, k[0], k[1]}, "");
   if (bias) s.input(c, {O}, "");
-  c.spec = fmt::format("\"op\": \"conv2d\", \"stride\": {}, \"padding\": {}, \"dilation\": {}, \"groups\": {}",
-                       json_pair(stride), json_pair(pad), json_pair(dil), g);
-  const ops::Conv2dOptions o{stride, pad, dil, g};
-  c.fn = [o](const std::vector<Tensor>& v) {
-    return std::vector<Tensor>{ops::conv2d(v[0], v[1], v.size() > 2 ? v[2] : Tensor(), o)};
-  };
+  set_conv(c, stride, pad, dil, g);
   const int64_t OH = (size[0] + 2 * pad[0] - kk) / stride[0] + 1, OW = (size[1] + 2 * pad[1] - kk) / stride[1] + 1;
   c.acc = static_cast<double>(std::max({C / g * kk * kk + 1, O / g * kk * kk, N * OH * OW}));
   c.scale = kWeightBound;

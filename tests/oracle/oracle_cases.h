@@ -109,22 +109,10 @@ class OracleCases {
         const Tensor term = ops::sum(ops::mul(o, w));
         loss = loss.defined() ? ops::add(loss, term) : term;
       }
-      std::vector<Tensor> leaves;
-      for (size_t i = 0; i < c.inputs.size(); ++i) {
-        const Tensor& in = c.inputs[i];
-        if (!options_.inputs_before_fn) files.emplace_back(input_key(c, i), in);
-        if (in.requires_grad()) leaves.push_back(in);
+      if (!options_.inputs_before_fn) {
+        for (size_t i = 0; i < c.inputs.size(); ++i) files.emplace_back(input_key(c, i), c.inputs[i]);
       }
-      c.grads.assign(c.inputs.size(), Tensor());
-      if (loss.defined() && !leaves.empty()) {
-        const std::vector<Tensor> g = autograd::grad({loss}, leaves);
-        size_t j = 0;
-        for (size_t i = 0; i < c.inputs.size(); ++i) {
-          if (!c.inputs[i].requires_grad()) continue;
-          c.grads[i] = g[j].defined() ? g[j] : zeros(c.inputs[i].shape(), c.inputs[i].dtype());
-          ++j;
-        }
-      }
+      c.grads = input_grads(loss, c.inputs);
     }
     TempDir in, out;
     save_tensors(in.path(), files);

@@ -179,4 +179,27 @@ int run_oracle(const std::string& script, const std::vector<std::string>& args) 
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
 }
 
+std::vector<std::string> names(const std::vector<std::pair<std::string, Tensor>>& named) {
+  std::vector<std::string> out;
+  out.reserve(named.size());
+  for (const auto& [n, t] : named) out.push_back(n);
+  return out;
+}
+
+std::vector<Tensor> input_grads(const Tensor& loss, const std::vector<Tensor>& inputs) {
+  std::vector<Tensor> grads(inputs.size());
+  std::vector<Tensor> leaves;
+  for (const Tensor& in : inputs)
+    if (in.requires_grad()) leaves.push_back(in);
+  if (!loss.defined() || leaves.empty()) return grads;
+  const std::vector<Tensor> g = autograd::grad({loss}, leaves);
+  size_t j = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].requires_grad()) continue;
+    grads[i] = g[j].defined() ? g[j] : zeros(inputs[i].shape(), inputs[i].dtype());
+    ++j;
+  }
+  return grads;
+}
+
 }  // namespace tandem::testing

@@ -62,6 +62,13 @@ Tensor find_tensor(const std::vector<std::pair<std::string, Tensor>>& tensors, c
 // Returns the exit status; output goes to the test log.
 int run_oracle(const std::string& script, const std::vector<std::string>& args);
 
+// d loss / d inputs[i] for each input that requires grad (zeros where loss does not reach it),
+// undefined for the others; all undefined when loss is undefined or no input requires grad.
+std::vector<Tensor> input_grads(const Tensor& loss, const std::vector<Tensor>& inputs);
+
+// The names of a named_parameters() / named_buffers() / state_dict() list, in order.
+std::vector<std::string> names(const std::vector<std::pair<std::string, Tensor>>& named);
+
 // Path of a file in the source tree.
 std::string source_path(const std::string& relative);
 

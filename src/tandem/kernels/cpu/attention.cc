@@ -60,19 +60,18 @@ void add_rows(T* dst, const T* src, int64_t rows, int64_t cols, int64_t ld) {
   }
 }
 
-// c (M x N, row stride ldc) = op(a) @ op(b), or += with accumulate, where op transposes when ta /
-// tb; lda / ldb are the operands' row strides as stored. f32 goes straight through sgemm into the
-// strided destination; f64 through gemm() on matrix views, then stored or added.
+// c (M x N, row stride ldc) = op(a) @ b, or += with accumulate, where op transposes when ta; lda /
+// ldb are the operands' row strides as stored (b is always read row-major: K and V are staged
+// transposed where a product needs them so). f32 goes through tile_sgemm into the strided
+// destination; f64 through gemm() on matrix views, then stored or added.
 template <class T>
-void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* a, int64_t lda, const T* b, int64_t ldb,
-        bool accumulate, T* c, int64_t ldc) {
+void mm(bool ta, int64_t M, int64_t N, int64_t K, const T* a, int64_t lda, const T* b, int64_t ldb, bool accumulate, T* c,
+        int64_t ldc) {
   if constexpr (std::is_same_v<T, float>) {
-    if (!tb) return tile_sgemm(M, N, K, a, ta ? 1 : lda, ta ? lda : 1, b, ldb, accumulate, c, ldc);
-    sgemm(ta ? 'T' : 'N', 'T', M, N, K, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, c, ldc);
+    tile_sgemm(M, N, K, a, ta ? 1 : lda, ta ? lda : 1, b, ldb, accumulate, c, ldc);
   } else {
     const Tensor av = ta ? mat(a, K, M, lda, true) : mat(a, M, K, lda);
-    const Tensor bv = tb ? mat(b, N, K, ldb, true) : mat(b, K, N, ldb);
-    const Tensor r = gemm(av, bv, Tensor(), dtype_of<T>::value);
+    const Tensor r = gemm(av, mat(b, K, N, ldb), Tensor(), dtype_of<T>::value);
     if (accumulate) add_rows(c, r.data_ptr<T>(), M, N, ldc);
     else store_rows(r.data_ptr<T>(), c, M, N, ldc);
   }
@@ -126,7 +125,7 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         continue;
       }
       T* P = scratch<T>(0, rows * n);  // scores (rows x n)
-      mm<T>(false, false, rows, n, s.D, Q + t0 * qst, qst, KT, s.S, false, P, n);
+      mm<T>(false, rows, n, s.D, Q + t0 * qst, qst, KT, s.S, false, P, n);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
@@ -147,7 +146,7 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
         std::fill(row + nr, row + n, T(0));
         lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
       }
-      mm<T>(false, false, rows, s.Dv, n, P, n, V, vst, false, O, s.out.st);
+      mm<T>(false, rows, s.Dv, n, P, n, V, vst, false, O, s.out.st);
     }
   }
 }
@@ -184,7 +183,7 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
       const T* O = Oh + t0 * ost;
       const T* Qt = Q + t0 * qst;
       T* P = scratch<T>(0, rows * n);  // (rows x n)
-      mm<T>(false, false, rows, n, s.D, Qt, qst, KT, s.S, false, P, n);
+      mm<T>(false, rows, n, s.D, Qt, qst, KT, s.S, false, P, n);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = P + r * n;
         const int64_t nr = visible(s, t0 + r);
@@ -198,10 +197,10 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         std::fill(row + nr, row + n, T(0));
       }
       // dV[0:n] += P^T dO
-      mm<T>(true, false, n, s.Dv, rows, P, n, dO, dost, true, dV, s.dv.st);
+      mm<T>(true, n, s.Dv, rows, P, n, dO, dost, true, dV, s.dv.st);
       // dS = P * (dO V^T - delta) * scale, in place of dP
       T* dS = scratch<T>(1, rows * n);  // (rows x n)
-      mm<T>(false, false, rows, n, s.Dv, dO, dost, VT, s.S, false, dS, n);
+      mm<T>(false, rows, n, s.Dv, dO, dost, VT, s.S, false, dS, n);
       for (int64_t r = 0; r < rows; ++r) {
         const T* dor = dO + r * dost;
         const T* orow = O + r * ost;
@@ -216,8 +215,8 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
         for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
       }
       // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-      mm<T>(false, false, rows, s.D, n, dS, n, K, kst, false, dQ, s.dq.st);
-      mm<T>(true, false, n, s.D, rows, dS, n, Qt, qst, true, dK, s.dk.st);
+      mm<T>(false, rows, s.D, n, dS, n, K, kst, false, dQ, s.dq.st);
+      mm<T>(true, n, s.D, rows, dS, n, Qt, qst, true, dK, s.dk.st);
     }
   }
 }
