@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/dnnl_common.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 
@@ -163,6 +164,43 @@ void gemm_f32(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
   }
 }
 
+// TANDEM_BF16_GEMM picks the bf16 product: "amx" (kernels/cpu/amx_gemm.h; the default where
+// the CPU has AMX-BF16) or "onednn" (oneDNN's matmul primitive, the default elsewhere). Read once.
+bool use_amx_for_bf16() {
+  static const bool amx = [] {
+    const char* env = std::getenv("TANDEM_BF16_GEMM");
+    const std::string v = env != nullptr ? env : "";
+    if (v == "onednn") return false;
+    if (!v.empty() && v != "amx") {
+      throw ValueError(fmt::format("TANDEM_BF16_GEMM=\"{}\" is not a known bf16 GEMM; use \"amx\" (Tandem's AMX "
+                                   "kernel, the default where the CPU has AMX-BF16) or \"onednn\" (oneDNN's matmul)",
+                                   v));
+    }
+    return amx_bf16_usable();
+  }();
+  return amx;
+}
+
+// bf16 operands on AMX tiles, one call per batch entry; f32 or bf16 c. Operands without a
+// unit-stride dim take gemm_dnnl.
+void gemm_bf16_amx(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
+  const int64_t B = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);
+  const BlasOperand oa = blas_operand(M, K, a.stride(1), a.stride(2));
+  const BlasOperand ob = blas_operand(K, N, b.stride(1), b.stride(2));
+  if (oa.trans == 0 || ob.trans == 0) return gemm_dnnl(a, b, bias, c);
+  const int64_t sab = a.size(0) == 1 ? 0 : a.stride(0), sbb = b.size(0) == 1 ? 0 : b.stride(0);
+  const auto* pa = static_cast<const uint16_t*>(a.data_ptr());
+  const auto* pb = static_cast<const uint16_t*>(b.data_ptr());
+  const Tensor bias32 = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
+  const float* pbias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const bool c_bf16 = c.dtype() == kBFloat16;
+  char* pc = static_cast<char*>(c.data_ptr());
+  for (int64_t i = 0; i < B; ++i) {
+    amx_gemm_bf16(oa.trans, ob.trans, M, N, K, pa + i * sab, oa.ld, pb + i * sbb, ob.ld, pbias, false,
+                  pc + i * M * N * (c_bf16 ? 2 : 4), c_bf16, N);
+  }
+}
+
 void check_operands(const Tensor& a, const Tensor& b, const Tensor& bias, const Tensor& c) {
   TANDEM_CHECK(a.dim() == 3 && b.dim() == 3, ShapeError, "gemm: expected 3-d operands, got {} and {}",
                shape_str(a.shape()), shape_str(b.shape()));
@@ -198,6 +236,7 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
       return gemm_f32(a, b, bb, c);
     }
     case DType::bf16: {
+      if (use_amx_for_bf16()) return gemm_bf16_amx(a, b, bias, c);
       const Tensor bb = bias.defined() && bias.dtype() != c.dtype() && c.dtype() != kFloat32 ? bias.to(c.dtype()) : bias;
       return gemm_dnnl(a, b, bb, c);
     }

@@ -1,6 +1,7 @@
-// Batched matrix multiply on CPU through oneDNN (f32; bf16 with f32 accumulation), with a
-// plain loop path for f64 and an f32 detour for f16. Primitives are built once per shape,
-// stride pattern and dtype, then reused.
+// Batched matrix multiply on CPU: f32 through oneDNN; bf16 (f32 accumulation) on Tandem's AMX
+// kernel (amx_gemm.h) where the CPU has AMX-BF16, else oneDNN's matmul; a plain loop path for
+// f64 and an f32 detour for f16. oneDNN primitives are built once per shape, stride pattern and
+// dtype, then reused.
 #pragma once
 
 #include "tandem/core/tensor.h"

@@ -1,0 +1,404 @@
+#include "tandem/kernels/cpu/amx_gemm.h"
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "tandem/core/cpu_features.h"
+#include "tandem/core/error.h"
+#include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/kernel_timing.h"
+
+// GCC 12's avx512fintrin.h seeds masked intrinsics with an "undefined" register and then warns
+// about it in every caller (see row_math.cc).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace tandem::kernels {
+namespace {
+
+#define TANDEM_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// Layouts (all in bf16 units, u16):
+//   packed A: rows of Kp values (K rounded up to 32, zero-padded), 32 rows per block; an A tile
+//     is 16 rows x 32 k (64 bytes per row). A row-major A with K % 32 == 0 is read in place.
+//   packed B: panels of 32 columns of C; panel row p (p < Kp / 2) holds, for its 32 columns j,
+//     the pair (B(2p, j), B(2p + 1, j)) -- the "VNNI" pairing the tile product wants -- so one
+//     B tile is 16 rows p x 16 columns j (64 bytes per row, row stride 128 bytes).
+constexpr int64_t kBlock = 32;     // rows and columns of C per block (2 x 2 tiles)
+constexpr int64_t kTileK = 32;     // k values per tile product
+constexpr int64_t kPanelRow = 64;  // u16 per packed-B panel row (32 columns x 2)
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: the f32 accumulators of a 32 x 32 block of C (0 = rows 0-15 x cols 0-15, 1 = rows
+// 0-15 x cols 16-31, 2 and 3 the same for rows 16-31); 4, 5: the two 16-row slices of A; 6, 7:
+// the two 16-column slices of B. Every tile is 16 rows x 64 bytes.
+constexpr TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+bool request_tile_state() {
+  const CpuFeatures& f = cpu_features();
+  if (!f.amx_bf16 || !f.avx512_bf16 || !f.avx512bw || !f.avx512vl) return false;
+  // Linux (5.16+) hands out the 8 KiB tile data state only on request.
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline __mmask16 mask16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+inline __mmask32 mask32(int64_t n) {
+  return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : static_cast<__mmask32>((1u << n) - 1);
+}
+
+// 16 x 16 transpose of 32-bit lanes in registers.
+TANDEM_AMX inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// 16 lanes of (lo[i], hi[i]) pairs as 32-bit values; a null row reads as zeros, and so do the
+// lanes outside `m`.
+TANDEM_AMX inline __m512i pairs16(const uint16_t* lo, const uint16_t* hi, __mmask16 m) {
+  const __m512i l = lo != nullptr ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, lo)) : _mm512_setzero_si512();
+  const __m512i h = hi != nullptr ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, hi)) : _mm512_setzero_si512();
+  return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+// Row pairs p_lo..p_hi-1 of B row-major (K x N, row stride ldb) into every panel (panel stride
+// Kp * 32): B's rows are read front to back, two at a time, which the hardware prefetchers follow
+// (walking one panel's column strip over all K rows instead stalls on every row).
+TANDEM_AMX void pack_b_rowmajor(const uint16_t* b, int64_t ldb, int64_t K, int64_t N, int64_t p_lo, int64_t p_hi,
+                                int64_t Kp, uint16_t* dst) {
+  const int64_t panels = (N + kBlock - 1) / kBlock;
+  for (int64_t p = p_lo; p < p_hi; ++p) {
+    const uint16_t* r0 = 2 * p < K ? b + 2 * p * ldb : nullptr;
+    const uint16_t* r1 = 2 * p + 1 < K ? b + (2 * p + 1) * ldb : nullptr;
+    for (int64_t j = 0; j < panels; ++j) {
+      uint16_t* row = dst + j * Kp * kBlock + p * kPanelRow;
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t n = j * kBlock + 16 * h;
+        const __mmask16 m = mask16(N - n);
+        const __m512i v = m != 0 ? pairs16(r0 != nullptr ? r0 + n : nullptr, r1 != nullptr ? r1 + n : nullptr, m)
+                                 : _mm512_setzero_si512();
+        _mm512_storeu_si512(row + 32 * h, v);
+      }
+    }
+  }
+}
+
+// One panel of B stored transposed (bt: N x K, row stride ldb): a pair (B(2p, j), B(2p+1, j)) is
+// one 32-bit word of bt's row j, so packing is a 16 x 16 transpose of 32-bit words.
+TANDEM_AMX void pack_b_transposed(const uint16_t* bt, int64_t ldb, int64_t K, int64_t n0, int64_t ncols, int64_t Kp,
+                                  uint16_t* dst) {
+  __m512i r[16];
+  for (int64_t k0 = 0; k0 < Kp; k0 += kTileK) {
+    const __mmask32 mk = mask32(K - k0);
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t j = 16 * h + i;
+        r[i] = j < ncols ? _mm512_maskz_loadu_epi16(mk, bt + (n0 + j) * ldb + k0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (k0 / 2 + p) * kPanelRow + 32 * h, r[p]);
+    }
+  }
+}
+
+// Rows m0..m0+nrows-1 of a row-major A into packed rows (stride Kp); rows at or past M are zeros.
+TANDEM_AMX void pack_a_rowmajor(const uint16_t* a, int64_t lda, int64_t M, int64_t K, int64_t m0, int64_t nrows,
+                                int64_t Kp, uint16_t* dst) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    const bool valid = m0 + r < M;
+    for (int64_t k0 = 0; k0 < Kp; k0 += kTileK) {
+      const __m512i v =
+          valid ? _mm512_maskz_loadu_epi16(mask32(K - k0), a + (m0 + r) * lda + k0) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + r * Kp + k0, v);
+    }
+  }
+}
+
+// Rows m0..m0+31 of A stored transposed (at: K x M, row stride lda) into a packed block (32 x
+// Kp): pairs of at's rows 2p, 2p+1 give 32-bit words (A(i, 2p), A(i, 2p+1)) along i, transposed
+// 16 x 16 into A's rows; rows at or past M are zeros. Packed per block, just before its products,
+// so the block is written into L1 and read from there (the block's 32 columns of at, one cache line
+// per row of at, are prefetched during the previous block).
+TANDEM_AMX void pack_a_transposed(const uint16_t* at, int64_t lda, int64_t M, int64_t K, int64_t m0, int64_t Kp,
+                                  uint16_t* dst) {
+  __m512i r[16];
+  for (int64_t s = 0; s < kBlock; s += 16) {
+    const __mmask16 mm = mask16(M - (m0 + s));
+    for (int64_t k0 = 0; k0 < Kp; k0 += kTileK) {
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t k = k0 + 2 * p;
+        const uint16_t* lo = mm != 0 && k < K ? at + k * lda + m0 + s : nullptr;
+        const uint16_t* hi = mm != 0 && k + 1 < K ? at + (k + 1) * lda + m0 + s : nullptr;
+        r[p] = pairs16(lo, hi, mm);
+      }
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (s + i) * Kp + k0, r[i]);
+    }
+  }
+}
+
+// Software prefetch of the next block of A's rows, spread over the current block's tile loop:
+// tile loads from cold memory are not followed by the hardware prefetchers, and a block's rows
+// sit `stride` bytes apart (one stream per row).
+struct Prefetch {
+  const char* base = nullptr;  // row 0 of the next block, or null
+  int64_t stride = 0;          // bytes between its rows
+  int64_t lines_per_row = 0;
+  int64_t total = 0;  // lines to fetch
+  int64_t next = 0;
+  int64_t per_step = 0;
+  inline void step() {
+    for (int64_t q = 0; q < per_step && next < total; ++q, ++next) {
+      const int64_t row = next / lines_per_row, col = next % lines_per_row;
+      _mm_prefetch(base + row * stride + col * 64, _MM_HINT_T0);
+    }
+  }
+};
+
+// The 32 x 32 block: tiles 0-3 += A(rows of a0, a1) @ B(panel) over kblocks steps of 32 k.
+TANDEM_AMX inline void block_product(const uint16_t* a0, const uint16_t* a1, int64_t a_stride_bytes,
+                                     const uint16_t* panel, int64_t kblocks, Prefetch& pf) {
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    pf.step();
+    const uint16_t* bk = panel + kb * 16 * kPanelRow;
+    _tile_loadd(4, a0 + kb * kTileK, a_stride_bytes);
+    _tile_loadd(6, bk, kPanelRow * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, bk + 32, kPanelRow * 2);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + kb * kTileK, a_stride_bytes);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+TANDEM_AMX inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// Writes rows x cols of the f32 block s (row stride 32) to c: + bias, + old c, rounded once.
+TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const float* bias, bool accumulate, void* c,
+                            bool c_bf16, int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
+      const __mmask16 m = mask16(cols - 16 * h);
+      __m512 v = _mm512_loadu_ps(s + r * kBlock + 16 * h);
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + 16 * h));
+      if (c_bf16) {
+        uint16_t* p = static_cast<uint16_t*>(c) + r * ldc + 16 * h;
+        if (accumulate) v = _mm512_add_ps(v, load_bf16(p, m));
+        _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+      } else {
+        float* p = static_cast<float*>(c) + r * ldc + 16 * h;
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, p));
+        _mm512_mask_storeu_ps(p, m, v);
+      }
+    }
+  }
+}
+
+struct Problem {
+  int64_t M, N, K, Kp;
+  const uint16_t* a;  // row-major A read in place (lda), or null
+  int64_t lda;
+  const uint16_t* at;        // A stored transposed (lda), packed block by block, or null
+  const uint16_t* a_packed;  // packed rows (stride Kp): all of A, or only its last partial block
+  int64_t a_packed_from;     // first row of A in a_packed
+  const uint16_t* b_packed;
+  const float* bias;
+  bool accumulate;
+  void* c;
+  bool c_bf16;
+  int64_t ldc;
+};
+
+// Packing buffers, kept per calling thread and grown as needed (a few MiB for model shapes).
+// 64-byte aligned: a tile row split over two cache lines costs two loads.
+struct Buffer {
+  std::vector<uint16_t> v;
+  uint16_t* get(int64_t n) {
+    if (v.size() < static_cast<size_t>(n + 32)) v.resize(static_cast<size_t>(n + 32));
+    const auto addr = reinterpret_cast<uintptr_t>(v.data());
+    return v.data() + ((64 - addr % 64) % 64) / 2;
+  }
+};
+struct Buffers {
+  Buffer a, b, block;
+};
+
+Buffers& buffers() {
+  thread_local Buffers buf;
+  return buf;
+}
+
+// Blocks of 32 rows mb_lo..mb_hi-1, each against every panel of B: the block's A rows (<= 32 x
+// Kp) stay in L1/L2 while the packed B (K x N, a few hundred KiB) streams from L2.
+TANDEM_AMX void compute_blocks(const Problem& pr, int64_t mb_lo, int64_t mb_hi) {
+  _tile_loadconfig(&kTileConfig);
+  alignas(64) float scratch[kBlock * kBlock];
+  const int64_t kblocks = pr.Kp / kTileK, panels = (pr.N + kBlock - 1) / kBlock;
+  const size_t esize = pr.c_bf16 ? 2 : 4;
+  uint16_t* block = pr.at != nullptr ? buffers().block.get(kBlock * pr.Kp) : nullptr;
+  auto rows_of = [&](int64_t m0, int64_t& stride) -> const uint16_t* {
+    if (pr.at != nullptr) {  // (for the prefetch: the block's columns of at)
+      stride = pr.lda;
+      return pr.at + m0;
+    }
+    if (pr.a != nullptr && m0 < pr.a_packed_from) {
+      stride = pr.lda;
+      return pr.a + m0 * pr.lda;
+    }
+    stride = pr.Kp;
+    return pr.a_packed + (m0 - pr.a_packed_from) * pr.Kp;
+  };
+  for (int64_t mb = mb_lo; mb < mb_hi; ++mb) {
+    const int64_t m0 = mb * kBlock, rows = std::min(kBlock, pr.M - m0);
+    int64_t a_stride = 0;
+    const uint16_t* a0 = nullptr;
+    if (pr.at != nullptr) {
+      pack_a_transposed(pr.at, pr.lda, pr.M, pr.K, m0, pr.Kp, block);
+      a0 = block;
+      a_stride = pr.Kp;
+    } else {
+      a0 = rows_of(m0, a_stride);
+    }
+    Prefetch pf;
+    if (mb + 1 < mb_hi && kblocks > 0 && panels > 0) {
+      int64_t s2 = 0;
+      pf.base = reinterpret_cast<const char*>(rows_of(m0 + kBlock, s2));
+      pf.stride = s2 * 2;
+      if (pr.at != nullptr) {  // K rows of at, 32 values (one or two lines) each
+        pf.lines_per_row = reinterpret_cast<uintptr_t>(pf.base) % 64 == 0 ? 1 : 2;
+        pf.total = pr.K * pf.lines_per_row;
+      } else {
+        pf.lines_per_row = (pr.K * 2 + 63) / 64;
+        pf.total = std::min(kBlock, pr.M - m0 - kBlock) * pf.lines_per_row;
+      }
+      pf.per_step = (pf.total + panels * kblocks - 1) / (panels * kblocks);
+    }
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t n0 = j * kBlock, cols = std::min(kBlock, pr.N - n0);
+      const uint16_t* panel = pr.b_packed + j * pr.Kp * kBlock;
+      char* cblock = static_cast<char*>(pr.c) + (m0 * pr.ldc + n0) * esize;
+      // Full f32 blocks without bias go straight between the tiles and c.
+      const bool direct = !pr.c_bf16 && pr.bias == nullptr && rows == kBlock && cols == kBlock;
+      const int64_t ldc_bytes = pr.ldc * 4;
+      if (direct && pr.accumulate) {
+        float* cf = reinterpret_cast<float*>(cblock);
+        _tile_loadd(0, cf, ldc_bytes);
+        _tile_loadd(1, cf + 16, ldc_bytes);
+        _tile_loadd(2, cf + 16 * pr.ldc, ldc_bytes);
+        _tile_loadd(3, cf + 16 * pr.ldc + 16, ldc_bytes);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      block_product(a0, a0 + 16 * a_stride, a_stride * 2, panel, kblocks, pf);
+      if (direct) {
+        float* cf = reinterpret_cast<float*>(cblock);
+        _tile_stored(0, cf, ldc_bytes);
+        _tile_stored(1, cf + 16, ldc_bytes);
+        _tile_stored(2, cf + 16 * pr.ldc, ldc_bytes);
+        _tile_stored(3, cf + 16 * pr.ldc + 16, ldc_bytes);
+      } else {
+        _tile_stored(0, scratch, kBlock * 4);
+        _tile_stored(1, scratch + 16, kBlock * 4);
+        _tile_stored(2, scratch + 16 * kBlock, kBlock * 4);
+        _tile_stored(3, scratch + 16 * kBlock + 16, kBlock * 4);
+        write_block(scratch, rows, cols, pr.bias != nullptr ? pr.bias + n0 : nullptr, pr.accumulate, cblock, pr.c_bf16,
+                    pr.ldc);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool amx_bf16_usable() {
+  static const bool ok = request_tile_state();
+  return ok;
+}
+
+void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
+                   const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
+                   int64_t ldc) {
+  TANDEM_CHECK(amx_bf16_usable(), Error, "amx_gemm_bf16: this CPU or kernel offers no AMX-BF16 tiles");
+  TANDEM_CHECK((transa == 'N' || transa == 'T') && (transb == 'N' || transb == 'T'), ValueError,
+               "amx_gemm_bf16: transa/transb must be 'N' or 'T', got '{}' '{}'", transa, transb);
+  if (M <= 0 || N <= 0) return;
+  const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(M) * static_cast<double>(N * K));
+  const int64_t Kp = round_up(K, kTileK), Np = round_up(N, kBlock), Mp = round_up(M, kBlock);
+  const int64_t panels = Np / kBlock;
+  Buffers& buf = buffers();
+  uint16_t* bp = buf.b.get(Np * Kp);
+  if (transb == 'N') {
+    parallel_for(0, Kp / 2, 16, [&](int64_t lo, int64_t hi) { pack_b_rowmajor(b, ldb, K, N, lo, hi, Kp, bp); });
+  } else {
+    parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t n0 = j * kBlock;
+        pack_b_transposed(b, ldb, K, n0, std::min(kBlock, N - n0), Kp, bp + j * Kp * kBlock);
+      }
+    });
+  }
+  Problem pr{M, N, K, Kp, nullptr, lda, nullptr, nullptr, 0, bp, bias, accumulate, c, c_bf16, ldc};
+  // A row-major with whole tiles of k is read in place, except a last partial block of rows.
+  const bool in_place = transa == 'N' && K % kTileK == 0;
+  pr.a_packed_from = in_place ? M / kBlock * kBlock : 0;
+  const int64_t packed_rows = transa == 'T' ? 0 : Mp - pr.a_packed_from;
+  if (transa == 'T') pr.at = a;
+  if (packed_rows > 0) {
+    uint16_t* ap = buf.a.get(packed_rows * Kp);
+    const int64_t first = pr.a_packed_from;
+    parallel_for(0, packed_rows / kBlock, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) pack_a_rowmajor(a, lda, M, K, first + i * kBlock, kBlock, Kp, ap + i * kBlock * Kp);
+    });
+    pr.a_packed = ap;
+  }
+  if (in_place) pr.a = a;
+  // Keeps the compiler from moving the packing stores past the tile loads (the tile intrinsics
+  // are asm statements that do not declare the memory they read).
+  __asm__ __volatile__("" ::: "memory");
+  parallel_for(0, Mp / kBlock, 1, [&](int64_t lo, int64_t hi) { compute_blocks(pr, lo, hi); });
+  __asm__ __volatile__("" ::: "memory");
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,200 @@
+// The AMX bf16 product (kernels/cpu/amx_gemm.h) against the exact f64 sum of the same bf16
+// products, over every shape class of its blocking: rows and columns below, at and past one 16 x 16
+// tile and one 32 x 32 block, K = 0, odd K, K past a 32-value tile step, A and B each row-major and
+// stored transposed, row strides wider than the matrices, with and without bias, accumulating
+// onto c or not, f32 and bf16 c. Tolerance: the f32 sum of K products is within
+// K * 2^-24 * sum|a||b| of exact (plus |bias| + |c| terms for the two extra f32 additions); a bf16 c
+// adds half a bf16 ulp of the result (at most 2^-8 relative). A wrong index or a dropped pair is off by
+// a whole product, far outside this. Skipped where the CPU has no AMX-BF16.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tandem/core/rng.h"
+#include "tandem/core/tensor.h"
+#include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/gemm.h"
+
+namespace tandem {
+namespace {
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed) {
+  const Generator gen(seed);
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = to_bf16(gen.uniform(0, static_cast<uint64_t>(i)) * 2.0f - 1.0f);
+  return v;
+}
+
+struct Case {
+  int64_t M, N, K;
+  char ta, tb;
+  bool bias, accumulate, c_bf16;
+};
+
+// Runs one case; returns the number of elements outside the bound (reports the first few).
+int check_case(const Case& cs, uint64_t seed) {
+  const int64_t M = cs.M, N = cs.N, K = cs.K;
+  const int64_t lda = (cs.ta == 'N' ? K : M) + 3, ldb = (cs.tb == 'N' ? N : K) + 5, ldc = N + 2;
+  const std::vector<uint16_t> a = random_bf16((cs.ta == 'N' ? M : std::max<int64_t>(K, 1)) * lda, seed);
+  const std::vector<uint16_t> b = random_bf16((cs.tb == 'N' ? std::max<int64_t>(K, 1) : N) * ldb, seed + 1);
+  const std::vector<uint16_t> c0h = random_bf16(M * ldc, seed + 2);
+  std::vector<float> bias(static_cast<size_t>(N));
+  for (int64_t j = 0; j < N; ++j) bias[j] = from_bf16(c0h[j % c0h.size()]) * 3.0f;
+  std::vector<float> c0f(static_cast<size_t>(M * ldc));
+  for (size_t i = 0; i < c0f.size(); ++i) c0f[i] = from_bf16(c0h[i]);
+  std::vector<uint16_t> ch = c0h;
+  std::vector<float> cf = c0f;
+  void* c = cs.c_bf16 ? static_cast<void*>(ch.data()) : static_cast<void*>(cf.data());
+  kernels::amx_gemm_bf16(cs.ta, cs.tb, M, N, K, a.data(), lda, b.data(), ldb, cs.bias ? bias.data() : nullptr,
+                         cs.accumulate, c, cs.c_bf16, ldc);
+  auto A = [&](int64_t i, int64_t k) { return from_bf16(cs.ta == 'N' ? a[i * lda + k] : a[k * lda + i]); };
+  auto B = [&](int64_t k, int64_t j) { return from_bf16(cs.tb == 'N' ? b[k * ldb + j] : b[j * ldb + k]); };
+  int bad = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < ldc; ++j) {
+      const double got = cs.c_bf16 ? from_bf16(ch[i * ldc + j]) : cf[i * ldc + j];
+      const double old = c0f[i * ldc + j];
+      if (j >= N) {  // the padding between rows is never written
+        if (got != old && ++bad <= 3) ADD_FAILURE() << "wrote padding at " << i << "," << j;
+        continue;
+      }
+      double exact = 0, mag = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = static_cast<double>(A(i, k)) * B(k, j);
+        exact += p;
+        mag += std::fabs(p);
+      }
+      double extra = 0;
+      if (cs.bias) exact += bias[j], extra += std::fabs(bias[j]);
+      if (cs.accumulate) exact += old, extra += std::fabs(old);
+      double tol = (static_cast<double>(K) + 2) * std::ldexp(1.0, -24) * (mag + extra);
+      if (cs.c_bf16) tol += std::ldexp(1.0, -8) * std::fabs(exact) + 1e-30;
+      if (!(std::fabs(got - exact) <= tol) && ++bad <= 3) {
+        ADD_FAILURE() << "c(" << i << "," << j << ") = " << got << ", exact " << exact << ", tolerance " << tol;
+      }
+    }
+  }
+  return bad;
+}
+
+class AmxGemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!kernels::amx_bf16_usable()) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  }
+};
+
+TEST_F(AmxGemm, EveryBlockingClassMatchesExactSum) {
+  const int64_t Ms[] = {1, 15, 16, 17, 32, 33, 70};
+  const int64_t Ns[] = {1, 15, 16, 17, 31, 32, 33, 70};
+  const int64_t Ks[] = {0, 1, 2, 31, 32, 33, 64, 100};
+  uint64_t seed = 11;
+  int64_t n = 0;
+  for (int64_t M : Ms) {
+    for (int64_t N : Ns) {
+      for (int64_t K : Ks) {
+        for (char ta : {'N', 'T'}) {
+          for (char tb : {'N', 'T'}) {
+            // The three flags cycle through all 8 combinations across the shapes.
+            const int64_t f = n++ % 8;
+            const Case cs{M, N, K, ta, tb, (f & 1) != 0, (f & 2) != 0, (f & 4) != 0};
+            SCOPED_TRACE(::testing::Message() << "M " << M << " N " << N << " K " << K << " " << ta << tb << " bias "
+                                              << cs.bias << " accumulate " << cs.accumulate << " bf16 c " << cs.c_bf16);
+            if (check_case(cs, seed) > 0) return;
+            seed += 3;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(AmxGemm, ModelSizedProductsEveryFlag) {
+  // Several blocks in each direction, both packed-A paths and the in-place one (K % 32 == 0).
+  uint64_t seed = 901;
+  for (const auto& [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{256, 96, 320}, {130, 200, 96}}) {
+    for (char ta : {'N', 'T'}) {
+      for (char tb : {'N', 'T'}) {
+        for (int f = 0; f < 8; ++f) {
+          const Case cs{M, N, K, ta, tb, (f & 1) != 0, (f & 2) != 0, (f & 4) != 0};
+          SCOPED_TRACE(::testing::Message() << "M " << M << " N " << N << " K " << K << " " << ta << tb << " flags " << f);
+          if (check_case(cs, seed) > 0) return;
+          seed += 3;
+        }
+      }
+    }
+  }
+}
+
+// kernels::gemm on bf16 tensors takes the AMX kernel here: batched with a broadcast B, views with
+// either dim unit-stride, a bf16 and an f32 bias, bf16 and f32 outputs; compared with the f64
+// product of the same bf16 values (same bound as above).
+TEST_F(AmxGemm, GemmOnBf16TensorsMatchesF64) {
+  Generator gen(5);
+  const int64_t Bn = 3, M = 40, K = 72, N = 50;
+  const Tensor a_rm = randn({Bn, M, K}, kFloat32, &gen).to(kBFloat16);
+  const Tensor a_t = randn({Bn, K, M}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
+  const Tensor b_rm = randn({1, K, N}, kFloat32, &gen).to(kBFloat16);
+  const Tensor b_t = randn({1, N, K}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
+  const Tensor bias16 = randn({N}, kFloat32, &gen).to(kBFloat16);
+  const Tensor bias32 = randn({N}, kFloat32, &gen);
+  for (const Tensor* a : {&a_rm, &a_t}) {
+    for (const Tensor* b : {&b_rm, &b_t}) {
+      for (const Tensor* bias : {static_cast<const Tensor*>(nullptr), &bias16, &bias32}) {
+        for (DType out : {kBFloat16, kFloat32}) {
+          SCOPED_TRACE(::testing::Message() << "A^T " << (a == &a_t) << " B^T " << (b == &b_t) << " bias "
+                                            << (bias == nullptr ? "none" : dtype_name(bias->dtype())) << " out "
+                                            << dtype_name(out));
+          const Tensor c = kernels::gemm(*a, *b, bias != nullptr ? *bias : Tensor(), out);
+          ASSERT_EQ(c.dtype(), out);
+          const Tensor a64 = a->to(kFloat64).contiguous(), b64 = b->to(kFloat64).contiguous();
+          const Tensor c64 = c.to(kFloat64).contiguous();
+          const double* pa = a64.data_ptr<double>();
+          const double* pb = b64.data_ptr<double>();
+          const double* pc = c64.data_ptr<double>();
+          const Tensor bias64 = bias != nullptr ? bias->to(kFloat64).contiguous() : Tensor();
+          int bad = 0;
+          for (int64_t bi = 0; bi < Bn && bad < 3; ++bi) {
+            for (int64_t i = 0; i < M && bad < 3; ++i) {
+              for (int64_t j = 0; j < N && bad < 3; ++j) {
+                double exact = bias != nullptr ? bias64.data_ptr<double>()[j] : 0.0;
+                double mag = std::fabs(exact);
+                for (int64_t k = 0; k < K; ++k) {
+                  const double p = pa[(bi * M + i) * K + k] * pb[k * N + j];
+                  exact += p;
+                  mag += std::fabs(p);
+                }
+                double tol = (K + 2) * std::ldexp(1.0, -24) * mag;
+                if (out == kBFloat16) tol += std::ldexp(1.0, -8) * std::fabs(exact);
+                const double got = pc[(bi * M + i) * N + j];
+                if (!(std::fabs(got - exact) <= tol)) {
+                  ++bad;
+                  ADD_FAILURE() << "c[" << bi << "," << i << "," << j << "] = " << got << ", exact " << exact;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem
