@@ -5,6 +5,7 @@
 #include "tandem/amp/policy.h"
 #include "tandem/core/convert.h"
 #include "tandem/autograd/node.h"
+#include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/attention.h"
 #include "tandem/ops/linalg.h"
 #include "tandem/ops/loss.h"
@@ -111,7 +112,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::scaled_dot_product_attention, [](const auto&... args) { return scaled_dot_product_attention(args...); }, q, k, v, causal, scale_opt);
   kernels::AttentionShape s = check_shapes(q, k, v, causal);
   const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
-  const DType acc = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  // bf16 runs in bf16 on AMX tiles where the CPU has them (attention.h), else in f32.
+  const bool amx = q.dtype() == kBFloat16 && k.dtype() == kBFloat16 && v.dtype() == kBFloat16 &&
+                   kernels::amx_bf16_enabled();
+  const DType acc = q.dtype() == kFloat64 ? kFloat64 : amx ? kBFloat16 : kFloat32;
   // (B, H, T, D) operands: 4-d tensors keep their heads; others are (BH, 1, T, D).
   s.H = q.dim() == 4 ? q.size(1) : 1;
   const Tensor qc = operand(q, acc, s.H, s.q), kc = operand(k, acc, s.H, s.k), vc = operand(v, acc, s.H, s.v);
@@ -128,15 +132,22 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     out = empty(oshape, acc);
     s.out = kernels::contiguous_heads(s.H, s.T, s.Dv);
   }
-  Tensor lse = empty({s.BH * s.T}, acc);
+  Tensor lse = empty({s.BH * s.T}, acc == kFloat64 ? kFloat64 : kFloat32);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     kernels::attention_forward<T>(static_cast<const T*>(qc.data_ptr()), static_cast<const T*>(kc.data_ptr()),
                                   static_cast<const T*>(vc.data_ptr()), static_cast<T*>(out.data_ptr()),
                                   static_cast<T*>(lse.data_ptr()), s, static_cast<T>(scale));
   };
-  if (acc == kFloat64) run(double{});
-  else run(float{});
+  if (acc == kFloat64) {
+    run(double{});
+  } else if (acc == kBFloat16) {
+    kernels::attention_forward_bf16(static_cast<const uint16_t*>(qc.data_ptr()), static_cast<const uint16_t*>(kc.data_ptr()),
+                                    static_cast<const uint16_t*>(vc.data_ptr()), static_cast<uint16_t*>(out.data_ptr()),
+                                    lse.data_ptr<float>(), s, static_cast<float>(scale));
+  } else {
+    run(float{});
+  }
   Tensor result;
   if (q.dtype() != acc) {  // same strides, so one conversion over the dense buffer
     result = empty_strided(out.shape(), out.strides(), q.dtype());
@@ -175,8 +186,18 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                  static_cast<const T*>(lse.data_ptr()), static_cast<const T*>(go.data_ptr()), static_cast<T*>(dq.data_ptr()),
                  static_cast<T*>(dk.data_ptr()), static_cast<T*>(dv.data_ptr()), sb, static_cast<T>(scale));
            };
-           if (acc == kFloat64) run(double{});
-           else run(float{});
+           if (acc == kFloat64) {
+             run(double{});
+           } else if (acc == kBFloat16) {
+             kernels::attention_backward_bf16(
+                 static_cast<const uint16_t*>(qc.data_ptr()), static_cast<const uint16_t*>(kc.data_ptr()),
+                 static_cast<const uint16_t*>(vc.data_ptr()), static_cast<const uint16_t*>(out.data_ptr()),
+                 lse.data_ptr<float>(), static_cast<const uint16_t*>(go.data_ptr()),
+                 static_cast<uint16_t*>(dq.data_ptr()), static_cast<uint16_t*>(dk.data_ptr()),
+                 static_cast<uint16_t*>(dv.data_ptr()), sb, static_cast<float>(scale));
+           } else {
+             run(float{});
+           }
            if (dq_t == acc) return G{dq, dk, dv};
            if (packed) {  // one conversion of the whole buffer
              Tensor low = empty(packed_buf.shape(), dq_t);

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "tandem/core/cpu_features.h"
@@ -212,6 +215,22 @@ TANDEM_AMX inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+// Round to nearest-even into bf16, as core/convert does: the BF16 instruction, except for
+// subnormal inputs, which it flushes to zero and which are rounded by integer arithmetic instead.
+TANDEM_AMX inline __m256i to_bf16(__m512 x) {
+  __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+  const __m512i xi = _mm512_castps_si512(x);
+  const __mmask16 subnormal =
+      _mm512_cmpeq_epi32_mask(_mm512_and_si512(xi, _mm512_set1_epi32(0x7f800000)), _mm512_setzero_si512()) &
+      _mm512_cmpneq_epi32_mask(_mm512_and_si512(xi, _mm512_set1_epi32(0x7fffffff)), _mm512_setzero_si512());
+  if (subnormal != 0) [[unlikely]] {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(xi, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm256_mask_blend_epi16(subnormal, r, _mm512_cvtepi32_epi16(rounded));
+  }
+  return r;
+}
+
 // Writes rows x cols of the f32 block s (row stride 32) to c: + bias, + old c, rounded once.
 TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const float* bias, bool accumulate, void* c,
                             bool c_bf16, int64_t ldc) {
@@ -223,7 +242,7 @@ TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const fl
       if (c_bf16) {
         uint16_t* p = static_cast<uint16_t*>(c) + r * ldc + 16 * h;
         if (accumulate) v = _mm512_add_ps(v, load_bf16(p, m));
-        _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(p, m, to_bf16(v));
       } else {
         float* p = static_cast<float*>(c) + r * ldc + 16 * h;
         if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, p));
@@ -357,14 +376,20 @@ bool amx_bf16_usable() {
   return ok;
 }
 
-void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
-                   const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
-                   int64_t ldc) {
+namespace {
+
+void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
+              const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16, int64_t ldc,
+              bool threaded) {
   TANDEM_CHECK(amx_bf16_usable(), Error, "amx_gemm_bf16: this CPU or kernel offers no AMX-BF16 tiles");
   TANDEM_CHECK((transa == 'N' || transa == 'T') && (transb == 'N' || transb == 'T'), ValueError,
                "amx_gemm_bf16: transa/transb must be 'N' or 'T', got '{}' '{}'", transa, transb);
   if (M <= 0 || N <= 0) return;
-  const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(M) * static_cast<double>(N * K));
+  auto parallel_for = [threaded](int64_t begin, int64_t end, int64_t grain,
+                                 const std::function<void(int64_t, int64_t)>& fn) {
+    if (threaded) tandem::parallel_for(begin, end, grain, fn);
+    else if (begin < end) fn(begin, end);
+  };
   const int64_t Kp = round_up(K, kTileK), Np = round_up(N, kBlock), Mp = round_up(M, kBlock);
   const int64_t panels = Np / kBlock;
   Buffers& buf = buffers();
@@ -399,6 +424,36 @@ void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, co
   __asm__ __volatile__("" ::: "memory");
   parallel_for(0, Mp / kBlock, 1, [&](int64_t lo, int64_t hi) { compute_blocks(pr, lo, hi); });
   __asm__ __volatile__("" ::: "memory");
+}
+
+}  // namespace
+
+bool amx_bf16_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("TANDEM_BF16_GEMM");
+    const std::string v = env != nullptr ? env : "";
+    if (v == "onednn") return false;
+    if (!v.empty() && v != "amx") {
+      throw ValueError(fmt::format("TANDEM_BF16_GEMM=\"{}\" is not a known bf16 GEMM; use \"amx\" (Tandem's AMX "
+                                   "kernel, the default where the CPU has AMX-BF16) or \"onednn\" (oneDNN's matmul)",
+                                   v));
+    }
+    return amx_bf16_usable();
+  }();
+  return on;
+}
+
+void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
+                   const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
+                   int64_t ldc) {
+  const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(std::max<int64_t>(M, 0)) *
+                                                static_cast<double>(std::max<int64_t>(N, 0) * K));
+  run_gemm(transa, transb, M, N, K, a, lda, b, ldb, bias, accumulate, c, c_bf16, ldc, true);
+}
+
+void amx_tile_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
+                        const uint16_t* b, int64_t ldb, bool accumulate, void* c, bool c_bf16, int64_t ldc) {
+  run_gemm(transa, transb, M, N, K, a, lda, b, ldb, nullptr, accumulate, c, c_bf16, ldc, false);
 }
 
 }  // namespace tandem::kernels

@@ -3,7 +3,7 @@
 // 190-290 GFLOP/s on its AMX matmul (it re-packs B, and A when transposed, inside every call with
 // small blocks); this kernel packs once per call into the tile layout and keeps four 16 x 16 f32
 // accumulator tiles (a 32 x 32 block of C) busy over all of K. Used by kernels::gemm for bf16
-// when amx_bf16_usable(); TANDEM_BF16_GEMM=onednn switches back to oneDNN's matmul.
+// when amx_bf16_enabled(); TANDEM_BF16_GEMM=onednn switches back to oneDNN's matmul.
 #pragma once
 
 #include <cstdint>
@@ -14,17 +14,27 @@ namespace tandem::kernels {
 // ARCH_REQ_XCOMP_PERM, asked once).
 bool amx_bf16_usable();
 
+// amx_bf16_usable() and not switched off by TANDEM_BF16_GEMM=onednn (read once; any value other
+// than "amx" or "onednn" is a ValueError naming it): whether kernels::gemm and the attention
+// kernel take the AMX products for bf16.
+bool amx_bf16_enabled();
+
 // c (M x N, row stride ldc) = op(A) @ op(B) [+ bias] [+ c's old value when `accumulate`], where
 // a and b hold bf16 bit patterns and
 //   transa 'N': A(i, k) = a[i * lda + k]     'T': A(i, k) = a[k * lda + i]
 //   transb 'N': B(k, j) = b[k * ldb + j]     'T': B(k, j) = b[j * ldb + k]
 // Products are exact in f32 and summed in f32 (the hardware adds each pair of k, then the tile
 // accumulator over k in order); bias (f32, N values, or null) and the old c are added to that sum
-// and the result is written once: f32, or bf16 rounded to nearest-even when c_bf16 (bf16 c is
-// read as bf16 when accumulating). Requires amx_bf16_usable(). Splits the columns of C across
-// the intra-op thread pool.
+// and the result is written once: f32, or bf16 rounded to nearest-even (subnormals included, bit
+// for bit as core/convert.h) when c_bf16 (bf16 c is read as bf16 when accumulating). Requires
+// amx_bf16_usable(). Splits blocks of 32 rows of C across the intra-op thread pool.
 void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                    const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
                    int64_t ldc);
+
+// The same product (no bias) for kernels that tile their own loops (attention): runs on the
+// calling thread only and outside the GEMM kernel timer.
+void amx_tile_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
+                        const uint16_t* b, int64_t ldb, bool accumulate, void* c, bool c_bf16, int64_t ldc);
 
 }  // namespace tandem::kernels

@@ -5,7 +5,9 @@
 #include <limits>
 #include <vector>
 
+#include "tandem/core/convert.h"
 #include "tandem/core/tensor.h"
+#include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/row_math.h"
 #include "tandem/kernels/cpu/tile_gemm.h"
@@ -81,7 +83,7 @@ void mm(bool ta, int64_t M, int64_t N, int64_t K, const T* a, int64_t lda, const
 // calls.
 template <class T>
 T* scratch(int slot, int64_t n) {
-  thread_local std::vector<T> buf[4];
+  thread_local std::vector<T> buf[6];
   if (static_cast<int64_t>(buf[slot].size()) < n) buf[slot].resize(n);
   return buf[slot].data();
 }
@@ -218,6 +220,105 @@ void attention_backward(const T* q, const T* k, const T* v, const T* out, const 
       mm<T>(false, rows, s.D, n, dS, n, K, kst, false, dQ, s.dq.st);
       mm<T>(true, n, s.D, rows, dS, n, Qt, qst, true, dK, s.dk.st);
     }
+  }
+}
+
+// ---- bf16 on AMX tiles ----
+
+namespace {
+
+// f32 dot product of two bf16 rows (the backward's rowsum(dO * O)).
+float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float* fa = scratch<float>(4, n);
+  float* fb = scratch<float>(5, n);
+  convert(a, kBFloat16, fa, kFloat32, n);
+  convert(b, kBFloat16, fb, kFloat32, n);
+  return dot_f32(fa, fb, n);
+}
+
+// rows x cols f32 (contiguous) rounded into bf16 rows of stride ld.
+void round_rows(const float* src, uint16_t* dst, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) convert(src + r * cols, kFloat32, dst + r * ld, kBFloat16, cols);
+}
+
+}  // namespace
+
+void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
+                            const AttentionShape& s, float scale) {
+  for (int64_t bh = 0; bh < s.BH; ++bh) {
+    const uint16_t* Q = head(q, s.q, s, bh);
+    const uint16_t* K = head(k, s.k, s, bh);
+    const uint16_t* V = head(v, s.v, s, bh);
+    uint16_t* Oh = head(out, s.out, s, bh);
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      uint16_t* O = Oh + t0 * s.out.st;
+      if (n == 0) {
+        for (int64_t r = 0; r < rows; ++r) std::fill(O + r * s.out.st, O + r * s.out.st + s.Dv, uint16_t{0});
+        std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<float>::infinity());
+        continue;
+      }
+      float* P = scratch<float>(0, rows * n);  // scores, then probabilities (rows x n)
+      amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, false, n);
+      for (int64_t r = 0; r < rows; ++r) lse[bh * s.T + t0 + r] = softmax_row_f32(P + r * n, visible(s, t0 + r), n, scale);
+      uint16_t* Pb = scratch<uint16_t>(0, rows * n);
+      convert(P, kFloat32, Pb, kBFloat16, rows * n);
+      amx_tile_gemm_bf16('N', 'N', rows, s.Dv, n, Pb, n, V, s.v.st, false, O, true, s.out.st);
+    }
+  }
+}
+
+void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* out,
+                             const float* lse, const uint16_t* dout, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                             const AttentionShape& s, float scale) {
+  for (int64_t bh = 0; bh < s.BH; ++bh) {
+    const int64_t qst = s.q.st, kst = s.k.st, ost = s.out.st, dost = s.dout.st;
+    const uint16_t* Q = head(q, s.q, s, bh);
+    const uint16_t* K = head(k, s.k, s, bh);
+    const uint16_t* V = head(v, s.v, s, bh);
+    const uint16_t* Oh = head(out, s.out, s, bh);
+    const uint16_t* dOh = head(dout, s.dout, s, bh);
+    uint16_t* dQh = head(dq, s.dq, s, bh);
+    // dK, dV summed over the query tiles in f32 (S x D, S x Dv), rounded once at the end.
+    float* dKa = scratch<float>(2, s.S * s.D);
+    float* dVa = scratch<float>(3, s.S * s.Dv);
+    std::fill(dKa, dKa + s.S * s.D, 0.0f);
+    std::fill(dVa, dVa + s.S * s.Dv, 0.0f);
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      uint16_t* dQ = dQh + t0 * s.dq.st;
+      if (n == 0) {
+        for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * s.dq.st, dQ + r * s.dq.st + s.D, uint16_t{0});
+        continue;
+      }
+      const uint16_t* dO = dOh + t0 * dost;
+      const uint16_t* O = Oh + t0 * ost;
+      const uint16_t* Qt = Q + t0 * qst;
+      float* P = scratch<float>(0, rows * n);
+      amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Qt, qst, K, kst, false, P, false, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        exp_shifted_row_f32(P + r * n, visible(s, t0 + r), n, scale, lse[bh * s.T + t0 + r]);
+      }
+      uint16_t* Pb = scratch<uint16_t>(0, rows * n);
+      convert(P, kFloat32, Pb, kBFloat16, rows * n);
+      // dV[0:n] += P^T dO
+      amx_tile_gemm_bf16('T', 'N', n, s.Dv, rows, Pb, n, dO, dost, true, dVa, false, s.Dv);
+      // dS = P * (dO V^T - delta) * scale
+      float* dS = scratch<float>(1, rows * n);
+      amx_tile_gemm_bf16('N', 'T', rows, n, s.Dv, dO, dost, V, s.v.st, false, dS, false, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        softmax_grad_row_f32(dS + r * n, P + r * n, n, dot_bf16(dO + r * dost, O + r * ost, s.Dv), scale);
+      }
+      uint16_t* dSb = scratch<uint16_t>(1, rows * n);
+      convert(dS, kFloat32, dSb, kBFloat16, rows * n);
+      // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
+      amx_tile_gemm_bf16('N', 'N', rows, s.D, n, dSb, n, K, kst, false, dQ, true, s.dq.st);
+      amx_tile_gemm_bf16('T', 'N', n, s.D, rows, dSb, n, Qt, qst, true, dKa, false, s.D);
+    }
+    round_rows(dKa, head(dk, s.dk, s, bh), s.S, s.D, s.dk.st);
+    round_rows(dVa, head(dv, s.dv, s, bh), s.S, s.Dv, s.dv.st);
   }
 }
 

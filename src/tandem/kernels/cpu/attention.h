@@ -39,4 +39,15 @@ template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
                         const AttentionShape& s, T scale);
 
+// bf16 operands (bit patterns) on AMX tiles (amx_gemm.h; requires amx_bf16_enabled()), the
+// same tiling: every tile product takes bf16 inputs with f32 sums; scores, softmax, lse and dS
+// stay f32, and the probabilities P and dS are rounded to bf16 before the products they feed
+// (P V, P^T dO, dS K, dS^T Q), as PyTorch's CPU flash attention does for bf16. out, dq, dk, dv
+// are rounded once from f32 (dk, dv summed over query tiles in f32 first).
+void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
+                            const AttentionShape& s, float scale);
+void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* out,
+                             const float* lse, const uint16_t* dout, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                             const AttentionShape& s, float scale);
+
 }  // namespace tandem::kernels

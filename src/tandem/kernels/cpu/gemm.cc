@@ -164,23 +164,6 @@ void gemm_f32(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
   }
 }
 
-// TANDEM_BF16_GEMM picks the bf16 product: "amx" (kernels/cpu/amx_gemm.h; the default where
-// the CPU has AMX-BF16) or "onednn" (oneDNN's matmul primitive, the default elsewhere). Read once.
-bool use_amx_for_bf16() {
-  static const bool amx = [] {
-    const char* env = std::getenv("TANDEM_BF16_GEMM");
-    const std::string v = env != nullptr ? env : "";
-    if (v == "onednn") return false;
-    if (!v.empty() && v != "amx") {
-      throw ValueError(fmt::format("TANDEM_BF16_GEMM=\"{}\" is not a known bf16 GEMM; use \"amx\" (Tandem's AMX "
-                                   "kernel, the default where the CPU has AMX-BF16) or \"onednn\" (oneDNN's matmul)",
-                                   v));
-    }
-    return amx_bf16_usable();
-  }();
-  return amx;
-}
-
 // bf16 operands on AMX tiles, one call per batch entry; f32 or bf16 c. Operands without a
 // unit-stride dim take gemm_dnnl.
 void gemm_bf16_amx(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
@@ -236,7 +219,7 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
       return gemm_f32(a, b, bb, c);
     }
     case DType::bf16: {
-      if (use_amx_for_bf16()) return gemm_bf16_amx(a, b, bias, c);
+      if (amx_bf16_enabled()) return gemm_bf16_amx(a, b, bias, c);
       const Tensor bb = bias.defined() && bias.dtype() != c.dtype() && c.dtype() != kFloat32 ? bias.to(c.dtype()) : bias;
       return gemm_dnnl(a, b, bb, c);
     }
