@@ -10,6 +10,7 @@
 #include "tandem/core/parallel.h"
 #include "tandem/kernels/cpu/dnnl_common.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
+#include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/row_math.h"
@@ -228,6 +229,10 @@ std::pair<Tensor, Tensor> conv2d_backward_weight_im2col(const Tensor& gy, const 
       }
     });
     // ---- dW += gy_block^T @ cols ----
+    if (amx_bf16_enabled()) {  // accumulates into acc directly
+      amx_gemm_bf16('T', 'N', O, K, rows, pg + p0 * O, O, pc, K, nullptr, true, pacc, false, K);
+      continue;
+    }
     const Tensor a = from_blob(const_cast<uint16_t*>(pg + p0 * O), {1, O, rows}, {O * rows, 1, O}, kBFloat16);
     const Tensor b = rows == R ? cols : from_blob(pc, {1, rows, K}, {rows * K, K, 1}, kBFloat16);
     gemm_into(a, b, Tensor(), part);
