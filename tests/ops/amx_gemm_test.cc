@@ -142,6 +142,43 @@ TEST_F(AmxGemm, ModelSizedProductsEveryFlag) {
   }
 }
 
+TEST_F(AmxGemm, LongKPacksBInSeveralColumnChunks) {
+  // B is packed in chunks of about 4 MiB of columns: with K = 32770 (Kp = 32800) a chunk is 32
+  // columns, so N = 100 takes four chunks (the last one partial).
+  uint64_t seed = 1301;
+  for (char ta : {'N', 'T'}) {
+    for (char tb : {'N', 'T'}) {
+      for (int f : {0, 7}) {
+        const Case cs{20, 100, 32770, ta, tb, (f & 1) != 0, (f & 2) != 0, (f & 4) != 0};
+        SCOPED_TRACE(::testing::Message() << ta << tb << " flags " << f);
+        if (check_case(cs, seed) > 0) return;
+        seed += 3;
+      }
+      // The bound above grows with K (it is ~16 here), so the bias and the old c, which move the
+      // result by ~1, are checked by difference: the same product with and without them differs
+      // by bias + old up to the rounding of the two extra f32 additions.
+      const int64_t M = 20, N = 100, K = 32770, lda = ta == 'N' ? K : M, ldb = tb == 'N' ? N : K;
+      const std::vector<uint16_t> a = random_bf16(K * std::max(M, N), seed), b = random_bf16(K * std::max(M, N), seed + 1);
+      std::vector<float> bias(N), old(M * N), plain(M * N, 0.0f);
+      for (int64_t j = 0; j < N; ++j) bias[j] = 1.0f + static_cast<float>(j) / 8;
+      for (int64_t i = 0; i < M * N; ++i) old[i] = -2.0f - static_cast<float>(i % 37) / 4;
+      std::vector<float> full = old;
+      kernels::amx_gemm_bf16(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, nullptr, false, plain.data(), false, N);
+      kernels::amx_gemm_bf16(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, bias.data(), true, full.data(), false, N);
+      int bad = 0;
+      for (int64_t i = 0; i < M && bad < 3; ++i) {
+        for (int64_t j = 0; j < N && bad < 3; ++j) {
+          const double want = bias[j] + old[i * N + j], got = static_cast<double>(full[i * N + j]) - plain[i * N + j];
+          // fl(fl(s + bias) + old): 2^-24 |s + bias| + 2^-24 |result|, doubled for slack.
+          const double tol = std::ldexp(1.0, -23) * (std::fabs(plain[i * N + j]) + std::fabs(bias[j]) + std::fabs(full[i * N + j]));
+          if (!(std::fabs(got - want) <= tol)) ++bad, ADD_FAILURE() << "bias + old at " << i << "," << j << ": " << got << " vs " << want;
+        }
+      }
+      seed += 2;
+    }
+  }
+}
+
 // kernels::gemm on bf16 tensors takes the AMX kernel here: batched with a broadcast B, views with
 // either dim unit-stride, a bf16 and an f32 bias, bf16 and f32 outputs; compared with the f64
 // product of the same bf16 values (same bound as above).

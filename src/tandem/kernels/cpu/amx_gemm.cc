@@ -252,13 +252,14 @@ TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const fl
   }
 }
 
+// One product, or one chunk of B's columns of it (N, b_packed, bias and c then start at the
+// chunk's first column).
 struct Problem {
   int64_t M, N, K, Kp;
-  const uint16_t* a;  // row-major A read in place (lda), or null
+  char transa;
+  const uint16_t* a;  // A as given (lda)
   int64_t lda;
-  const uint16_t* at;        // A stored transposed (lda), packed block by block, or null
-  const uint16_t* a_packed;  // packed rows (stride Kp): all of A, or only its last partial block
-  int64_t a_packed_from;     // first row of A in a_packed
+  bool in_place;  // 'N' with K % 32 == 0: whole blocks of 32 rows are read where they are
   const uint16_t* b_packed;
   const float* bias;
   bool accumulate;
@@ -278,7 +279,7 @@ struct Buffer {
   }
 };
 struct Buffers {
-  Buffer a, b, block;
+  Buffer b, block;
 };
 
 Buffers& buffers() {
@@ -293,40 +294,31 @@ TANDEM_AMX void compute_blocks(const Problem& pr, int64_t mb_lo, int64_t mb_hi) 
   alignas(64) float scratch[kBlock * kBlock];
   const int64_t kblocks = pr.Kp / kTileK, panels = (pr.N + kBlock - 1) / kBlock;
   const size_t esize = pr.c_bf16 ? 2 : 4;
-  uint16_t* block = pr.at != nullptr ? buffers().block.get(kBlock * pr.Kp) : nullptr;
-  auto rows_of = [&](int64_t m0, int64_t& stride) -> const uint16_t* {
-    if (pr.at != nullptr) {  // (for the prefetch: the block's columns of at)
-      stride = pr.lda;
-      return pr.at + m0;
-    }
-    if (pr.a != nullptr && m0 < pr.a_packed_from) {
-      stride = pr.lda;
-      return pr.a + m0 * pr.lda;
-    }
-    stride = pr.Kp;
-    return pr.a_packed + (m0 - pr.a_packed_from) * pr.Kp;
-  };
+  uint16_t* block = buffers().block.get(kBlock * pr.Kp);
+  // Where block m0's A values are in memory: rows of A, or (stored transposed) 32 columns of at.
+  auto source = [&](int64_t m0) { return pr.transa == 'T' ? pr.a + m0 : pr.a + m0 * pr.lda; };
   for (int64_t mb = mb_lo; mb < mb_hi; ++mb) {
     const int64_t m0 = mb * kBlock, rows = std::min(kBlock, pr.M - m0);
-    int64_t a_stride = 0;
-    const uint16_t* a0 = nullptr;
-    if (pr.at != nullptr) {
-      pack_a_transposed(pr.at, pr.lda, pr.M, pr.K, m0, pr.Kp, block);
-      a0 = block;
-      a_stride = pr.Kp;
+    int64_t a_stride = pr.Kp;
+    const uint16_t* a0 = block;
+    if (pr.in_place && rows == kBlock) {
+      a0 = source(m0);
+      a_stride = pr.lda;
+    } else if (pr.transa == 'T') {
+      pack_a_transposed(pr.a, pr.lda, pr.M, pr.K, m0, pr.Kp, block);
     } else {
-      a0 = rows_of(m0, a_stride);
+      pack_a_rowmajor(pr.a, pr.lda, pr.M, pr.K, m0, kBlock, pr.Kp, block);
     }
     Prefetch pf;
     if (mb + 1 < mb_hi && kblocks > 0 && panels > 0) {
-      int64_t s2 = 0;
-      pf.base = reinterpret_cast<const char*>(rows_of(m0 + kBlock, s2));
-      pf.stride = s2 * 2;
-      if (pr.at != nullptr) {  // K rows of at, 32 values (one or two lines) each
-        pf.lines_per_row = reinterpret_cast<uintptr_t>(pf.base) % 64 == 0 ? 1 : 2;
+      pf.base = reinterpret_cast<const char*>(source(m0 + kBlock));
+      pf.stride = pr.lda * 2;
+      const int64_t skew = reinterpret_cast<uintptr_t>(pf.base) % 64;
+      if (pr.transa == 'T') {  // K rows of at, 32 values (one or two lines) each
+        pf.lines_per_row = skew == 0 ? 1 : 2;
         pf.total = pr.K * pf.lines_per_row;
       } else {
-        pf.lines_per_row = (pr.K * 2 + 63) / 64;
+        pf.lines_per_row = (skew + pr.K * 2 + 63) / 64;
         pf.total = std::min(kBlock, pr.M - m0 - kBlock) * pf.lines_per_row;
       }
       pf.per_step = (pf.total + panels * kblocks - 1) / (panels * kblocks);
@@ -390,40 +382,33 @@ void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const u
     if (threaded) tandem::parallel_for(begin, end, grain, fn);
     else if (begin < end) fn(begin, end);
   };
-  const int64_t Kp = round_up(K, kTileK), Np = round_up(N, kBlock), Mp = round_up(M, kBlock);
-  const int64_t panels = Np / kBlock;
-  Buffers& buf = buffers();
-  uint16_t* bp = buf.b.get(Np * Kp);
-  if (transb == 'N') {
-    parallel_for(0, Kp / 2, 16, [&](int64_t lo, int64_t hi) { pack_b_rowmajor(b, ldb, K, N, lo, hi, Kp, bp); });
-  } else {
-    parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t j = lo; j < hi; ++j) {
-        const int64_t n0 = j * kBlock;
-        pack_b_transposed(b, ldb, K, n0, std::min(kBlock, N - n0), Kp, bp + j * Kp * kBlock);
-      }
-    });
+  const int64_t Kp = round_up(K, kTileK), Mp = round_up(M, kBlock);
+  // B is packed in chunks of at most ~4 MiB of columns, so that a huge product (a vocabulary
+  // projection) keeps a bounded buffer; model shapes take one chunk.
+  const int64_t chunk = Kp == 0 ? round_up(N, kBlock)
+                                : std::max<int64_t>(kBlock, (int64_t{4} << 20) / (Kp * 2) / kBlock * kBlock);
+  uint16_t* bp = buffers().b.get(std::min(round_up(N, kBlock), chunk) * Kp);
+  const size_t esize = c_bf16 ? 2 : 4;
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t nc = std::min(chunk, N - n0), panels = (nc + kBlock - 1) / kBlock;
+    if (transb == 'N') {
+      parallel_for(0, Kp / 2, 16, [&](int64_t lo, int64_t hi) { pack_b_rowmajor(b + n0, ldb, K, nc, lo, hi, Kp, bp); });
+    } else {
+      parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          const int64_t j0 = j * kBlock;
+          pack_b_transposed(b + n0 * ldb, ldb, K, j0, std::min(kBlock, nc - j0), Kp, bp + j * Kp * kBlock);
+        }
+      });
+    }
+    const Problem pr{M,  nc, K, Kp, transa, a, lda, transa == 'N' && K % kTileK == 0, bp, bias != nullptr ? bias + n0 : nullptr,
+                     accumulate, static_cast<char*>(c) + n0 * esize, c_bf16, ldc};
+    // Keeps the compiler from moving the packing stores past the tile loads (the tile intrinsics
+    // are asm statements that do not declare the memory they read).
+    __asm__ __volatile__("" ::: "memory");
+    parallel_for(0, Mp / kBlock, 1, [&](int64_t lo, int64_t hi) { compute_blocks(pr, lo, hi); });
+    __asm__ __volatile__("" ::: "memory");
   }
-  Problem pr{M, N, K, Kp, nullptr, lda, nullptr, nullptr, 0, bp, bias, accumulate, c, c_bf16, ldc};
-  // A row-major with whole tiles of k is read in place, except a last partial block of rows.
-  const bool in_place = transa == 'N' && K % kTileK == 0;
-  pr.a_packed_from = in_place ? M / kBlock * kBlock : 0;
-  const int64_t packed_rows = transa == 'T' ? 0 : Mp - pr.a_packed_from;
-  if (transa == 'T') pr.at = a;
-  if (packed_rows > 0) {
-    uint16_t* ap = buf.a.get(packed_rows * Kp);
-    const int64_t first = pr.a_packed_from;
-    parallel_for(0, packed_rows / kBlock, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) pack_a_rowmajor(a, lda, M, K, first + i * kBlock, kBlock, Kp, ap + i * kBlock * Kp);
-    });
-    pr.a_packed = ap;
-  }
-  if (in_place) pr.a = a;
-  // Keeps the compiler from moving the packing stores past the tile loads (the tile intrinsics
-  // are asm statements that do not declare the memory they read).
-  __asm__ __volatile__("" ::: "memory");
-  parallel_for(0, Mp / kBlock, 1, [&](int64_t lo, int64_t hi) { compute_blocks(pr, lo, hi); });
-  __asm__ __volatile__("" ::: "memory");
 }
 
 }  // namespace

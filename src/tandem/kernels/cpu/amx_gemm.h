@@ -1,8 +1,9 @@
 // bf16 matrix products on Intel AMX tiles, written for the shapes of training steps on one core
 // (M ~ 10^3, N and K 10^2-10^3). Why not oneDNN's: Debian's oneDNN 2.6 runs these shapes at
 // 190-290 GFLOP/s on its AMX matmul (it re-packs B, and A when transposed, inside every call with
-// small blocks); this kernel packs once per call into the tile layout and keeps four 16 x 16 f32
-// accumulator tiles (a 32 x 32 block of C) busy over all of K. Used by kernels::gemm for bf16
+// small blocks); this kernel packs B once per call into the tile layout (in column chunks of at
+// most ~4 MiB), reads a row-major A in place (else packs it per block of 32 rows, in L1) and keeps
+// four 16 x 16 f32 accumulator tiles (a 32 x 32 block of C) busy over all of K. Used by kernels::gemm for bf16
 // when amx_bf16_enabled(); TANDEM_BF16_GEMM=onednn switches back to oneDNN's matmul.
 #pragma once
 
@@ -24,7 +25,8 @@ bool amx_bf16_enabled();
 //   transa 'N': A(i, k) = a[i * lda + k]     'T': A(i, k) = a[k * lda + i]
 //   transb 'N': B(k, j) = b[k * ldb + j]     'T': B(k, j) = b[j * ldb + k]
 // Products are exact in f32 and summed in f32 (the hardware adds each pair of k, then the tile
-// accumulator over k in order); bias (f32, N values, or null) and the old c are added to that sum
+// accumulator over k in order; like oneDNN's AMX kernels, the tile product reads subnormal bf16
+// inputs as zero and flushes subnormal sums); bias (f32, N values, or null) and the old c are added to that sum
 // and the result is written once: f32, or bf16 rounded to nearest-even (subnormals included, bit
 // for bit as core/convert.h) when c_bf16 (bf16 c is read as bf16 when accumulating). Requires
 // amx_bf16_usable(). Splits blocks of 32 rows of C across the intra-op thread pool.
