@@ -220,7 +220,9 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
     }
     case DType::bf16: {
       if (amx_bf16_enabled()) return gemm_bf16_amx(a, b, bias, c);
-      const Tensor bb = bias.defined() && bias.dtype() != c.dtype() && c.dtype() != kFloat32 ? bias.to(c.dtype()) : bias;
+      // An f32 bias stays f32 (added to the f32 sum before the one rounding, as on the AMX
+      // kernel); other dtypes are widened to f32.
+      const Tensor bb = bias.defined() && bias.dtype() != kFloat32 && bias.dtype() != kBFloat16 ? bias.to(kFloat32) : bias;
       return gemm_dnnl(a, b, bb, c);
     }
     case DType::f16: {
