@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -24,6 +25,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tandem/core/convert.h"
 #include "tandem/core/error.h"
 #include "tandem/core/parallel.h"
 #include "tandem/kernels/cpu/amx_gemm.h"
@@ -249,6 +251,36 @@ TEST_F(AmxReview, GemmOnBroadcastAndSizeOneViews) {
   check(randn({40, 1}, kFloat32, &gen).to(kBFloat16), randn({9, 50}, kFloat32, &gen).to(kBFloat16).narrow(0, 2, 1), "K = 1");
 }
 
+// The epilogue's bf16 rounding equals core/convert's bit for bit on f32 values of every class
+// (normal, subnormal, ties, near the largest finite value, inf, NaN): c = 0 + bias with K = 0.
+TEST_F(AmxReview, Bf16RoundingEqualsConvert) {
+  const int64_t N = 4096;
+  std::vector<float> bias(N);
+  uint32_t x = 12345;
+  for (int64_t j = 0; j < N; ++j) {
+    x = x * 1664525u + 1013904223u;
+    uint32_t bits = x;
+    if (j % 4 == 1) bits &= 0x807fffffu;                    // subnormal (or zero)
+    if (j % 8 == 2) bits = (bits & 0xffff0000u) | 0x8000u;  // a tie
+    if (j % 16 == 3) bits = (bits & 0x80000000u) | 0x7f7f0000u | (bits & 0xffffu);  // near FLT_MAX
+    if (j % 32 == 5) bits = (bits & 0x80000000u) | 0x7f800000u | (j % 64 == 5 ? 0 : (bits & 0x3fffffu) | 1u);
+    std::memcpy(&bias[j], &bits, 4);
+  }
+  std::vector<float> want_f(N);
+  for (int64_t j = 0; j < N; ++j) want_f[j] = 0.0f + bias[j];  // the epilogue adds bias to a zero sum
+  std::vector<uint16_t> want(N), got(N);
+  convert(want_f.data(), kFloat32, want.data(), kBFloat16, N);
+  const uint16_t dummy = 0;
+  kernels::amx_gemm_bf16('N', 'N', 1, N, 0, &dummy, 0, &dummy, N, bias.data(), false, got.data(), true, N);
+  int bad = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    if (got[j] != want[j] && ++bad <= 5) {
+      ADD_FAILURE() << "bias bits " << std::hex << std::bit_cast<uint32_t>(bias[j]) << ": got " << got[j] << ", convert "
+                    << want[j];
+    }
+  }
+}
+
 // ---- attention ----
 
 struct AttentionBounds {
@@ -364,6 +396,42 @@ TEST_F(AmxReview, AttentionViewsEqualContiguousCopies) {
     const V got3 = run(q3, k3, v3, causal, w3);
     const V want3 = run(fresh(q3), fresh(k3), fresh(v3), causal, w3);
     for (int i = 0; i < 4; ++i) EXPECT_TRUE(all_close(got3[i], want3[i], 0, 0)) << "3-d, result " << i;
+  }
+}
+
+// A zero head dim: the scores are empty sums (0), so with an explicit scale every query
+// attends uniformly (out = mean of v over the visible keys, as torch's math attention gives);
+// the output used to be left unwritten (the head count was computed as numel / (T * D)).
+TEST(AmxReviewAttention, ZeroHeadDim) {
+  for (DType dt : {kBFloat16, kFloat32, kFloat64}) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dt) << (causal ? " causal" : ""));
+      const Tensor q = zeros({2, 3, 5, 0}, dt), k = zeros({2, 3, 7, 0}, dt);
+      const Tensor v = leaf({2, 3, 7, 4}, -1, 1, 4100, dt);
+      const Tensor y = ops::scaled_dot_product_attention(q, k, v, causal, 1.0);
+      // d sum(y) / dv[j] = sum over queries t of P[t, j] = sum_t 1 / (keys t sees), exact in bf16
+      // up to the rounding of P (2^-8 relative per term).
+      const Tensor dv = autograd::grad({ops::sum(y.to(kFloat64))}, {v})[0];
+      for (int64_t j = 0; j < 7; ++j) {
+        double w = 0;
+        for (int64_t t = 0; t < 5; ++t) w += causal ? (j <= t ? 1.0 / (t + 1) : 0.0) : 1.0 / 7;
+        EXPECT_TRUE(all_close(dv.narrow(2, j, 1).to(kFloat64), full({2, 3, 1, 4}, w, kFloat64), 2 * kUBf16, 1e-6)) << "dv " << j;
+      }
+      const Tensor v64 = v.to(kFloat64);
+      Tensor want = empty({2, 3, 5, 4}, kFloat64);
+      for (int64_t t = 0; t < 5; ++t) {
+        const int64_t n = causal ? t + 1 : 7;
+        want.narrow(2, t, 1).copy_(ops::mean(v64.narrow(2, 0, n), {2}, true));
+      }
+      EXPECT_TRUE(all_close(y.to(kFloat64), want, dt == kBFloat16 ? 2 * kUBf16 : 1e-6, 1e-6));
+      // No queries: an empty output, zero gradients for k and v.
+      const Tensor q0 = leaf({2, 3, 0, 8}, -1, 1, 4101, dt), k0 = leaf({2, 3, 6, 8}, -1, 1, 4102, dt);
+      const Tensor v0 = leaf({2, 3, 6, 4}, -1, 1, 4103, dt);
+      const Tensor y0 = ops::scaled_dot_product_attention(q0, k0, v0, causal);
+      EXPECT_EQ(y0.shape(), (Shape{2, 3, 0, 4}));
+      const V g0 = autograd::grad({ops::sum(y0.to(kFloat64))}, {k0, v0});
+      EXPECT_TRUE(all_close(g0[0], zeros({2, 3, 6, 8}, dt), 0, 0) && all_close(g0[1], zeros({2, 3, 6, 4}, dt), 0, 0));
+    }
   }
 }
 

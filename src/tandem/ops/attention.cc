@@ -39,7 +39,8 @@ kernels::AttentionShape check_shapes(const Tensor& q, const Tensor& k, const Ten
                dtype_name(q.dtype()), dtype_name(k.dtype()), dtype_name(v.dtype()));
   const int64_t T = q.size(-2), S = k.size(-2);
   kernels::AttentionShape s;
-  s.BH = q.numel() / std::max<int64_t>(T * q.size(-1), 1);
+  s.BH = 1;  // the leading dims (not numel / (T * D): a zero D or T would make it 0)
+  for (int64_t d = 0; d < q.dim() - 2; ++d) s.BH *= q.size(d);
   s.T = T;
   s.S = S;
   s.D = q.size(-1);
