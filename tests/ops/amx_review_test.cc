@@ -55,19 +55,20 @@ float fb(uint16_t h) {
 }
 
 // `bytes` of memory with a PROT_NONE page right before and right after; at_end places the data
-// flush against the trailing guard, else 2 bytes after the leading one (2-byte aligned only).
+// flush against the trailing guard, else `skew` bytes after the leading one (a start aligned to
+// the element only: 2 bytes for bf16, 4 for f32).
 class Guarded {
  public:
-  Guarded(size_t bytes, bool at_end) {
+  Guarded(size_t bytes, bool at_end, size_t skew) {
     page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    const size_t data_pages = (bytes + 2 + page_ - 1) / page_ + 1;
+    const size_t data_pages = (bytes + skew + page_ - 1) / page_ + 1;
     total_ = (data_pages + 2) * page_;
     void* m = mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     EXPECT_NE(m, MAP_FAILED);
     base_ = static_cast<char*>(m);
     mprotect(base_, page_, PROT_NONE);
     mprotect(base_ + total_ - page_, page_, PROT_NONE);
-    p_ = at_end ? base_ + total_ - page_ - bytes : base_ + page_ + 2;
+    p_ = at_end ? base_ + total_ - page_ - bytes : base_ + page_ + skew;
   }
   ~Guarded() { munmap(base_, total_); }
   Guarded(const Guarded&) = delete;
@@ -107,8 +108,9 @@ TEST_F(AmxReview, OperandsFlushAgainstGuardPages) {
             SCOPED_TRACE(::testing::Message() << "M " << M << " N " << N << " K " << K << " " << ta << tb << " place "
                                               << place << " bf16 c " << c_bf16 << " accumulate " << accumulate);
             const int64_t lda = ta == 'N' ? K : M, ldb = tb == 'N' ? N : K;
-            Guarded ga(static_cast<size_t>(M * K) * 2, place == 0), gb(static_cast<size_t>(K * N) * 2, place == 0);
-            Guarded gc(static_cast<size_t>(M * N) * (c_bf16 ? 2 : 4), place == 0), gbias(static_cast<size_t>(N) * 4, place == 0);
+            const size_t ce = c_bf16 ? 2 : 4;
+            Guarded ga(static_cast<size_t>(M * K) * 2, place == 0, 2), gb(static_cast<size_t>(K * N) * 2, place == 0, 2);
+            Guarded gc(static_cast<size_t>(M * N) * ce, place == 0, ce), gbias(static_cast<size_t>(N) * 4, place == 0, 4);
             uint16_t* a = ga.as<uint16_t>();
             uint16_t* b = gb.as<uint16_t>();
             float* bias = gbias.as<float>();
