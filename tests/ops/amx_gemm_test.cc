@@ -18,26 +18,18 @@
 #include "tandem/core/tensor.h"
 #include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/gemm.h"
+#include "util/test_util.h"
 
 namespace tandem {
 namespace {
 
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-float from_bf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using testing::bf16_bits;
+using testing::bf16_value;
 
 std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed) {
   const Generator gen(seed);
   std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = to_bf16(gen.uniform(0, static_cast<uint64_t>(i)) * 2.0f - 1.0f);
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = bf16_bits(gen.uniform(0, static_cast<uint64_t>(i)) * 2.0f - 1.0f);
   return v;
 }
 
@@ -55,20 +47,20 @@ int check_case(const Case& cs, uint64_t seed) {
   const std::vector<uint16_t> b = random_bf16((cs.tb == 'N' ? std::max<int64_t>(K, 1) : N) * ldb, seed + 1);
   const std::vector<uint16_t> c0h = random_bf16(M * ldc, seed + 2);
   std::vector<float> bias(static_cast<size_t>(N));
-  for (int64_t j = 0; j < N; ++j) bias[j] = from_bf16(c0h[j % c0h.size()]) * 3.0f;
+  for (int64_t j = 0; j < N; ++j) bias[j] = bf16_value(c0h[j % c0h.size()]) * 3.0f;
   std::vector<float> c0f(static_cast<size_t>(M * ldc));
-  for (size_t i = 0; i < c0f.size(); ++i) c0f[i] = from_bf16(c0h[i]);
+  for (size_t i = 0; i < c0f.size(); ++i) c0f[i] = bf16_value(c0h[i]);
   std::vector<uint16_t> ch = c0h;
   std::vector<float> cf = c0f;
   void* c = cs.c_bf16 ? static_cast<void*>(ch.data()) : static_cast<void*>(cf.data());
   kernels::amx_gemm_bf16(cs.ta, cs.tb, M, N, K, a.data(), lda, b.data(), ldb, cs.bias ? bias.data() : nullptr,
                          cs.accumulate, c, cs.c_bf16, ldc);
-  auto A = [&](int64_t i, int64_t k) { return from_bf16(cs.ta == 'N' ? a[i * lda + k] : a[k * lda + i]); };
-  auto B = [&](int64_t k, int64_t j) { return from_bf16(cs.tb == 'N' ? b[k * ldb + j] : b[j * ldb + k]); };
+  auto A = [&](int64_t i, int64_t k) { return bf16_value(cs.ta == 'N' ? a[i * lda + k] : a[k * lda + i]); };
+  auto B = [&](int64_t k, int64_t j) { return bf16_value(cs.tb == 'N' ? b[k * ldb + j] : b[j * ldb + k]); };
   int bad = 0;
   for (int64_t i = 0; i < M; ++i) {
     for (int64_t j = 0; j < ldc; ++j) {
-      const double got = cs.c_bf16 ? from_bf16(ch[i * ldc + j]) : cf[i * ldc + j];
+      const double got = cs.c_bf16 ? bf16_value(ch[i * ldc + j]) : cf[i * ldc + j];
       const double old = c0f[i * ldc + j];
       if (j >= N) {  // the padding between rows is never written
         if (got != old && ++bad <= 3) ADD_FAILURE() << "wrote padding at " << i << "," << j;

@@ -37,22 +37,15 @@ namespace {
 
 using testing::all_close;
 using testing::leaf;
+using testing::within;
+using testing::AttentionBounds;
+using testing::attention_bf16_bounds;
+using testing::bf16_bits;
+using testing::bf16_value;
 using V = std::vector<Tensor>;
 
 constexpr double kU32 = 0x1p-24;
 constexpr double kUBf16 = 0x1p-8;
-
-uint16_t bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-float fb(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // `bytes` of memory with a PROT_NONE page right before and right after; at_end places the data
 // flush against the trailing guard, else `skew` bytes after the leading one (a start aligned to
@@ -118,13 +111,13 @@ TEST_F(AmxReview, OperandsFlushAgainstGuardPages) {
               seed = seed * 1664525u + 1013904223u;
               return static_cast<float>(seed >> 8) / static_cast<float>(1u << 24) * 2.0f - 1.0f;
             };
-            for (int64_t i = 0; i < M * K; ++i) a[i] = bf(rnd());
-            for (int64_t i = 0; i < K * N; ++i) b[i] = bf(rnd());
-            for (int64_t j = 0; j < N; ++j) bias[j] = fb(bf(rnd()));
+            for (int64_t i = 0; i < M * K; ++i) a[i] = bf16_bits(rnd());
+            for (int64_t i = 0; i < K * N; ++i) b[i] = bf16_bits(rnd());
+            for (int64_t j = 0; j < N; ++j) bias[j] = bf16_value(bf16_bits(rnd()));
             std::vector<float> old(static_cast<size_t>(M * N));
-            for (auto& o : old) o = fb(bf(rnd()));
+            for (auto& o : old) o = bf16_value(bf16_bits(rnd()));
             for (int64_t i = 0; i < M * N; ++i) {
-              if (c_bf16) gc.as<uint16_t>()[i] = bf(old[i]);
+              if (c_bf16) gc.as<uint16_t>()[i] = bf16_bits(old[i]);
               else gc.as<float>()[i] = old[i];
             }
             kernels::amx_gemm_bf16(ta, tb, M, N, K, a, lda, b, ldb, bias, accumulate, gc.as<void>(), c_bf16, N);
@@ -133,14 +126,14 @@ TEST_F(AmxReview, OperandsFlushAgainstGuardPages) {
                 double exact = bias[j] + (accumulate ? old[i * N + j] : 0.0);
                 double mag = std::fabs(bias[j]) + std::fabs(old[i * N + j]);
                 for (int64_t k = 0; k < K; ++k) {
-                  const double p = static_cast<double>(fb(ta == 'N' ? a[i * lda + k] : a[k * lda + i])) *
-                                   fb(tb == 'N' ? b[k * ldb + j] : b[j * ldb + k]);
+                  const double p = static_cast<double>(bf16_value(ta == 'N' ? a[i * lda + k] : a[k * lda + i])) *
+                                   bf16_value(tb == 'N' ? b[k * ldb + j] : b[j * ldb + k]);
                   exact += p;
                   mag += std::fabs(p);
                 }
                 double tol = static_cast<double>(K + 2) * kU32 * mag;
                 if (c_bf16) tol += kUBf16 * std::fabs(exact) + 1e-30;
-                const double got = c_bf16 ? fb(gc.as<uint16_t>()[i * N + j]) : gc.as<float>()[i * N + j];
+                const double got = c_bf16 ? bf16_value(gc.as<uint16_t>()[i * N + j]) : gc.as<float>()[i * N + j];
                 if (!(std::fabs(got - exact) <= tol)) {
                   ++bad;
                   ADD_FAILURE() << "c(" << i << "," << j << ") = " << got << ", exact " << exact;
@@ -173,11 +166,11 @@ TEST_F(AmxReview, NanAndInfPropagate) {
           B[4 * N + 7] = nan;                                   // column 7 -> NaN
           std::vector<uint16_t> a(M * K), b(K * N);
           for (int64_t i = 0; i < M; ++i)
-            for (int64_t k = 0; k < K; ++k) a[ta == 'N' ? i * K + k : k * M + i] = bf(A[i * K + k]);
+            for (int64_t k = 0; k < K; ++k) a[ta == 'N' ? i * K + k : k * M + i] = bf16_bits(A[i * K + k]);
           for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < N; ++j) b[tb == 'N' ? k * N + j : j * K + k] = bf(B[k * N + j]);
+            for (int64_t j = 0; j < N; ++j) b[tb == 'N' ? k * N + j : j * K + k] = bf16_bits(B[k * N + j]);
           std::vector<float> cf(M * N, 1.0f);
-          std::vector<uint16_t> ch(M * N, bf(1.0f));
+          std::vector<uint16_t> ch(M * N, bf16_bits(1.0f));
           cf[30 * N + 30] = nan, ch[30 * N + 30] = 0x7fc0;  // old c NaN at (30, 30)
           std::vector<float> bias(N, 0.0f);
           bias[33] = nan;
@@ -186,7 +179,7 @@ TEST_F(AmxReview, NanAndInfPropagate) {
           int bad = 0;
           for (int64_t i = 0; i < M; ++i) {
             for (int64_t j = 0; j < N; ++j) {
-              const float got = c_bf16 ? fb(ch[i * N + j]) : cf[i * N + j];
+              const float got = c_bf16 ? bf16_value(ch[i * N + j]) : cf[i * N + j];
               const bool want_nan = i == 3 || j == 7 || j == 33 || (i == 5 && j < 20) || (accumulate && i == 30 && j == 30);
               const bool want_inf = !want_nan && i == 5;
               const bool ok = want_nan ? std::isnan(got) : want_inf ? got == inf : std::isfinite(got);
@@ -284,45 +277,6 @@ TEST_F(AmxReview, Bf16RoundingEqualsConvert) {
 }
 
 // ---- attention ----
-
-struct AttentionBounds {
-  Tensor y, dq, dk, dv;
-};
-// As in tests/ops/conv_norm_attention_test.cc (see the derivation there).
-AttentionBounds attention_bf16_bounds(const Tensor& q0, const Tensor& k0, const Tensor& v0, const Tensor& gy0, bool causal,
-                                      const Tensor& y0, const V& g) {
-  const Tensor q = q0.detach().to(kFloat32), k = k0.detach().to(kFloat32), v = v0.detach().to(kFloat32);
-  const Tensor gy = gy0.detach().to(kFloat32), y = y0.detach().to(kFloat32);
-  const int64_t T = q.size(2), S = k.size(2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3))), u = kUBf16, f = 1.0 + 1.0 / 16;
-  Tensor sc = ops::mul(ops::matmul(q, k.transpose(2, 3)), scale);
-  if (causal) {
-    Tensor above = empty({T, S}, kBool);
-    bool* pa = above.data_ptr<bool>();
-    for (int64_t i = 0; i < T; ++i)
-      for (int64_t j = 0; j < S; ++j) pa[i * S + j] = j > i;
-    sc = ops::masked_fill(sc, above, -INFINITY);
-  }
-  const Tensor P = ops::softmax(sc, -1);
-  AttentionBounds b;
-  b.y = ops::mul(ops::add(ops::mul(ops::abs(y), u), ops::mul(ops::matmul(P, ops::abs(v)), u)), f);
-  const Tensor delta = ops::sum(ops::mul(gy, y), {-1}, true);
-  const Tensor dS = ops::mul(P, ops::sub(ops::matmul(gy, v.transpose(2, 3)), delta));
-  const Tensor e_delta = ops::sum(ops::mul(ops::abs(gy), b.y), {-1}, true);
-  const Tensor e_dS = ops::add(ops::mul(ops::abs(dS), u), ops::mul(P, e_delta));
-  auto mag = [&](const Tensor& t) { return ops::mul(ops::abs(t.detach().to(kFloat32)), u); };
-  b.dq = ops::mul(ops::add(mag(g[0]), ops::mul(ops::matmul(e_dS, ops::abs(k)), scale)), f);
-  b.dk = ops::mul(ops::add(mag(g[1]), ops::mul(ops::matmul(e_dS.transpose(2, 3), ops::abs(q)), scale)), f);
-  b.dv = ops::mul(ops::add(mag(g[2]), ops::mul(ops::matmul(P.transpose(2, 3), ops::abs(gy)), u)), f);
-  return b;
-}
-
-::testing::AssertionResult within(const Tensor& got, const Tensor& ref, const Tensor& bound) {
-  const Tensor excess = ops::sub(ops::abs(ops::sub(got.to(kFloat32), ref.to(kFloat32))), bound);
-  const double worst = ops::max(excess).item();
-  if (worst <= 0 && !std::isnan(worst)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "exceeds its bound by " << worst;
-}
 
 TEST_F(AmxReview, AttentionOddHeadDimsAndLengthsWithinBounds) {
   struct Case {

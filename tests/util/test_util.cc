@@ -202,4 +202,63 @@ std::vector<Tensor> input_grads(const Tensor& loss, const std::vector<Tensor>& i
   return grads;
 }
 
+::testing::AssertionResult within(const Tensor& actual, const Tensor& expected, const Tensor& bound) {
+  const std::vector<double> a = actual.to_vector(), e = expected.to_vector(), b = bound.to_vector();
+  if (a.size() != e.size() || a.size() != b.size()) return ::testing::AssertionFailure() << "size mismatch";
+  size_t bad = 0, worst = 0;
+  double worst_ratio = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double err = std::abs(a[i] - e[i]);
+    const double ratio = err / std::max(b[i], 1e-300);
+    if (!(err <= b[i])) ++bad;
+    if (!(ratio <= worst_ratio)) worst_ratio = ratio, worst = i;
+  }
+  if (bad == 0) {
+    std::printf("[ note     ] worst |error| / bound = %.3g\n", worst_ratio);
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << bad << " of " << a.size() << " elements beyond the bound; worst at " << worst
+                                       << ": " << a[worst] << " vs " << e[worst] << " (bound " << b[worst] << ", "
+                                       << worst_ratio << "x)";
+}
+
+// How far bf16 attention may be from f32 attention on the same bf16-representable q, k, v and
+// upstream gradient gy ((B, H, T, D) views; y and dq/dk/dv the f32 results). The bf16 kernel
+// (AMX path, attention.h) rounds the probabilities P and dS = P * (dP - delta) to bf16 before the
+// products they feed and rounds out/dq/dk/dv once; with u = 2^-8 and scale the softmax scale:
+//   out:  u |y| + u P |v|                     (P rounded: u P_j per term of P v)
+//   delta = rowsum(gy * out) is taken from the bf16 out: its error is rowsum(|gy| E_out)
+//   dS:   E_dS = u |dS| + P * E_delta
+//   dq:   u |dq| + scale E_dS |k|    dk: u |dk| + scale E_dS^T |q|    dv: u |dv| + u P^T |gy|
+// each times (1 + 2^-4) for the two paths' different f32 summation orders (at most n 2^-24
+// relative to the same magnitudes: below 2^-12 for sums of up to 4096 terms). A path that computes in f32 and
+// rounds once (CPUs without AMX) is within the same bounds.
+AttentionBounds attention_bf16_bounds(const Tensor& q0, const Tensor& k0, const Tensor& v0, const Tensor& gy0, bool causal,
+                                      const Tensor& y0, const std::vector<Tensor>& g) {
+  const Tensor q = q0.detach().to(kFloat32), k = k0.detach().to(kFloat32), v = v0.detach().to(kFloat32);
+  const Tensor gy = gy0.detach().to(kFloat32), y = y0.detach().to(kFloat32);
+  const int64_t T = q.size(2), S = k.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3))), u = 0x1p-8, f = 1.0 + 1.0 / 16;
+  Tensor sc = ops::mul(ops::matmul(q, k.transpose(2, 3)), scale);
+  if (causal) {
+    Tensor above = empty({T, S}, kBool);
+    bool* pa = above.data_ptr<bool>();
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t j = 0; j < S; ++j) pa[i * S + j] = j > i;
+    sc = ops::masked_fill(sc, above, -INFINITY);
+  }
+  const Tensor P = ops::softmax(sc, -1);
+  AttentionBounds b;
+  b.y = ops::mul(ops::add(ops::mul(ops::abs(y), u), ops::mul(ops::matmul(P, ops::abs(v)), u)), f);
+  const Tensor delta = ops::sum(ops::mul(gy, y), {-1}, true);
+  const Tensor dS = ops::mul(P, ops::sub(ops::matmul(gy, v.transpose(2, 3)), delta));
+  const Tensor e_delta = ops::sum(ops::mul(ops::abs(gy), b.y), {-1}, true);
+  const Tensor e_dS = ops::add(ops::mul(ops::abs(dS), u), ops::mul(P, e_delta));
+  auto mag = [&](const Tensor& t) { return ops::mul(ops::abs(t.detach().to(kFloat32)), u); };
+  b.dq = ops::mul(ops::add(mag(g[0]), ops::mul(ops::matmul(e_dS, ops::abs(k)), scale)), f);
+  b.dk = ops::mul(ops::add(mag(g[1]), ops::mul(ops::matmul(e_dS.transpose(2, 3), ops::abs(q)), scale)), f);
+  b.dv = ops::mul(ops::add(mag(g[2]), ops::mul(ops::matmul(P.transpose(2, 3), ops::abs(gy)), u)), f);
+  return b;
+}
+
 }  // namespace tandem::testing

@@ -69,6 +69,22 @@ std::vector<Tensor> input_grads(const Tensor& loss, const std::vector<Tensor>& i
 // The names of a named_parameters() / named_buffers() / state_dict() list, in order.
 std::vector<std::string> names(const std::vector<std::pair<std::string, Tensor>>& named);
 
+// |actual - expected| <= bound elementwise (bound: a tensor of the same shape; NaN fails).
+// Prints the worst |error| / bound on success, so a loose bound shows in the log.
+::testing::AssertionResult within(const Tensor& actual, const Tensor& expected, const Tensor& bound);
+
+// bf16 bit patterns (core/half.h's round-to-nearest-even), for tests that feed raw kernels.
+inline uint16_t bf16_bits(float f) { return bfloat16(f).bits; }
+inline float bf16_value(uint16_t bits) { return bfloat16::from_bits(bits); }
+
+// How far bf16 attention may be from f32 attention on the same bf16-representable values
+// (derivation in test_util.cc): elementwise bounds for the output and the three gradients.
+struct AttentionBounds {
+  Tensor y, dq, dk, dv;
+};
+AttentionBounds attention_bf16_bounds(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gy, bool causal,
+                                      const Tensor& y, const std::vector<Tensor>& grads);
+
 // Path of a file in the source tree.
 std::string source_path(const std::string& relative);
 

@@ -14,6 +14,7 @@
 #include "tandem/core/error.h"
 #include "tandem/core/parallel.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
+#include "tandem/kernels/cpu/transpose16.h"
 
 // GCC 12's avx512fintrin.h seeds masked intrinsics with an "undefined" register and then warns
 // about it in every caller (see row_math.cc).
@@ -67,31 +68,6 @@ inline __mmask32 mask32(int64_t n) {
   return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : static_cast<__mmask32>((1u << n) - 1);
 }
 
-// 16 x 16 transpose of 32-bit lanes in registers.
-TANDEM_AMX inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int h = 0; h < 16; h += 8) {
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // 16 lanes of (lo[i], hi[i]) pairs as 32-bit values; a null row reads as zeros, and so do the
 // lanes outside `m`.
 TANDEM_AMX inline __m512i pairs16(const uint16_t* lo, const uint16_t* hi, __mmask16 m) {
@@ -134,7 +110,7 @@ TANDEM_AMX void pack_b_transposed(const uint16_t* bt, int64_t ldb, int64_t K, in
         const int64_t j = 16 * h + i;
         r[i] = j < ncols ? _mm512_maskz_loadu_epi16(mk, bt + (n0 + j) * ldb + k0) : _mm512_setzero_si512();
       }
-      transpose16(r);
+      transpose16x16_epi32(r);
       for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (k0 / 2 + p) * kPanelRow + 32 * h, r[p]);
     }
   }
@@ -170,7 +146,7 @@ TANDEM_AMX void pack_a_transposed(const uint16_t* at, int64_t lda, int64_t M, in
         const uint16_t* hi = mm != 0 && k + 1 < K ? at + (k + 1) * lda + m0 + s : nullptr;
         r[p] = pairs16(lo, hi, mm);
       }
-      transpose16(r);
+      transpose16x16_epi32(r);
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (s + i) * Kp + k0, r[i]);
     }
   }
@@ -193,6 +169,26 @@ struct Prefetch {
     }
   }
 };
+
+// The accumulator tiles 0-3 as the 32 x 32 f32 block at c (row stride ld floats).
+TANDEM_AMX inline void load_accumulators(const float* c, int64_t ld) {
+  _tile_loadd(0, c, ld * 4);
+  _tile_loadd(1, c + 16, ld * 4);
+  _tile_loadd(2, c + 16 * ld, ld * 4);
+  _tile_loadd(3, c + 16 * ld + 16, ld * 4);
+}
+TANDEM_AMX inline void store_accumulators(float* c, int64_t ld) {
+  _tile_stored(0, c, ld * 4);
+  _tile_stored(1, c + 16, ld * 4);
+  _tile_stored(2, c + 16 * ld, ld * 4);
+  _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+TANDEM_AMX inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 
 // The 32 x 32 block: tiles 0-3 += A(rows of a0, a1) @ B(panel) over kblocks steps of 32 k.
 TANDEM_AMX inline void block_product(const uint16_t* a0, const uint16_t* a1, int64_t a_stride_bytes,
@@ -332,31 +328,13 @@ TANDEM_AMX void compute_blocks(const Problem& pr, int64_t mb_lo, int64_t mb_hi) 
       char* cblock = static_cast<char*>(pr.c) + (m0 * pr.ldc + n0) * esize;
       // Full f32 blocks without bias go straight between the tiles and c.
       const bool direct = !pr.c_bf16 && pr.bias == nullptr && rows == kBlock && cols == kBlock;
-      const int64_t ldc_bytes = pr.ldc * 4;
-      if (direct && pr.accumulate) {
-        float* cf = reinterpret_cast<float*>(cblock);
-        _tile_loadd(0, cf, ldc_bytes);
-        _tile_loadd(1, cf + 16, ldc_bytes);
-        _tile_loadd(2, cf + 16 * pr.ldc, ldc_bytes);
-        _tile_loadd(3, cf + 16 * pr.ldc + 16, ldc_bytes);
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
+      float* target = direct ? reinterpret_cast<float*>(cblock) : scratch;
+      const int64_t ld = direct ? pr.ldc : kBlock;
+      if (direct && pr.accumulate) load_accumulators(target, ld);
+      else zero_accumulators();
       block_product(a0, a0 + 16 * a_stride, a_stride * 2, panel, kblocks, pf);
-      if (direct) {
-        float* cf = reinterpret_cast<float*>(cblock);
-        _tile_stored(0, cf, ldc_bytes);
-        _tile_stored(1, cf + 16, ldc_bytes);
-        _tile_stored(2, cf + 16 * pr.ldc, ldc_bytes);
-        _tile_stored(3, cf + 16 * pr.ldc + 16, ldc_bytes);
-      } else {
-        _tile_stored(0, scratch, kBlock * 4);
-        _tile_stored(1, scratch + 16, kBlock * 4);
-        _tile_stored(2, scratch + 16 * kBlock, kBlock * 4);
-        _tile_stored(3, scratch + 16 * kBlock + 16, kBlock * 4);
+      store_accumulators(target, ld);
+      if (!direct) {
         write_block(scratch, rows, cols, pr.bias != nullptr ? pr.bias + n0 : nullptr, pr.accumulate, cblock, pr.c_bf16,
                     pr.ldc);
       }

@@ -104,6 +104,21 @@ const T* staged_transpose(const T* src, int64_t rows, int64_t cols, int64_t ld, 
   return dst;
 }
 
+// fn(bh) for every (batch*head): heads are independent (disjoint outputs, per-thread scratch), so
+// they are split across the intra-op pool.
+template <class F>
+void for_each_head(const AttentionShape& s, const F& fn) {
+  parallel_for(0, s.BH, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) fn(bh);
+  });
+}
+
+// rows x cols of zeros at p (row stride ld): outputs of query rows that see no key.
+template <class T>
+void zero_rows(T* p, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(p + r * ld, p + r * ld + cols, T(0));
+}
+
 }  // namespace
 
 // Works as follows, per (batch*head) and per tile of query rows: scores = Q_tile K^T over the
@@ -112,47 +127,44 @@ const T* staged_transpose(const T* src, int64_t rows, int64_t cols, int64_t ld, 
 // kept for backward.
 template <class T>
 void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const AttentionShape& s, T scale) {
-  // Heads are independent (disjoint outputs, per-thread scratch): split across the intra-op pool.
-  parallel_for(0, s.BH, 1, [&](int64_t bh_lo, int64_t bh_hi) {
-    for (int64_t bh = bh_lo; bh < bh_hi; ++bh) {
-      const int64_t qst = s.q.st, vst = s.v.st;
-      const T* Q = head(q, s.q, s, bh);
-      const T* KT = staged_transpose(head(k, s.k, s, bh), s.S, s.D, s.k.st, 2);  // (D x S)
-      const T* V = head(v, s.v, s, bh);
-      T* Oh = head(out, s.out, s, bh);
-      for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
-        const int64_t rows = std::min(kTile, s.T - t0);
-        const int64_t n = visible(s, t0 + rows - 1);
-        T* O = Oh + t0 * s.out.st;
-        if (n == 0) {
-          for (int64_t r = 0; r < rows; ++r) std::fill(O + r * s.out.st, O + r * s.out.st + s.Dv, T(0));
-          std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<T>::infinity());
+  for_each_head(s, [&](int64_t bh) {
+    const int64_t qst = s.q.st, vst = s.v.st;
+    const T* Q = head(q, s.q, s, bh);
+    const T* KT = staged_transpose(head(k, s.k, s, bh), s.S, s.D, s.k.st, 2);  // (D x S)
+    const T* V = head(v, s.v, s, bh);
+    T* Oh = head(out, s.out, s, bh);
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      T* O = Oh + t0 * s.out.st;
+      if (n == 0) {
+        zero_rows(O, rows, s.Dv, s.out.st);
+        std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<T>::infinity());
+        continue;
+      }
+      T* P = scratch<T>(0, rows * n);  // scores (rows x n)
+      mm<T>(false, rows, n, s.D, Q + t0 * qst, qst, KT, s.S, false, P, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = P + r * n;
+        const int64_t nr = visible(s, t0 + r);
+        if constexpr (std::is_same_v<T, float>) {  // vectorised row kernel, same formula
+          lse[bh * s.T + t0 + r] = softmax_row_f32(row, nr, n, scale);
           continue;
         }
-        T* P = scratch<T>(0, rows * n);  // scores (rows x n)
-        mm<T>(false, rows, n, s.D, Q + t0 * qst, qst, KT, s.S, false, P, n);
-        for (int64_t r = 0; r < rows; ++r) {
-          T* row = P + r * n;
-          const int64_t nr = visible(s, t0 + r);
-          if constexpr (std::is_same_v<T, float>) {  // vectorised row kernel, same formula
-            lse[bh * s.T + t0 + r] = softmax_row_f32(row, nr, n, scale);
-            continue;
-          }
-          T m = -std::numeric_limits<T>::infinity();
-          for (int64_t j = 0; j < nr; ++j) m = std::max(m, row[j] * scale);
-          T l = 0;
-  #pragma omp simd reduction(+ : l)
-          for (int64_t j = 0; j < nr; ++j) {
-            row[j] = exp_of<T>(row[j] * scale - m);
-            l += row[j];
-          }
-          const T inv = T(1) / l;
-          for (int64_t j = 0; j < nr; ++j) row[j] *= inv;
-          std::fill(row + nr, row + n, T(0));
-          lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
+        T m = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < nr; ++j) m = std::max(m, row[j] * scale);
+        T l = 0;
+#pragma omp simd reduction(+ : l)
+        for (int64_t j = 0; j < nr; ++j) {
+          row[j] = exp_of<T>(row[j] * scale - m);
+          l += row[j];
         }
-        mm<T>(false, rows, s.Dv, n, P, n, V, vst, false, O, s.out.st);
+        const T inv = T(1) / l;
+        for (int64_t j = 0; j < nr; ++j) row[j] *= inv;
+        std::fill(row + nr, row + n, T(0));
+        lse[bh * s.T + t0 + r] = nr == 0 ? -std::numeric_limits<T>::infinity() : m + std::log(l);
       }
+      mm<T>(false, rows, s.Dv, n, P, n, V, vst, false, O, s.out.st);
     }
   });
 }
@@ -162,70 +174,65 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* lse, const
 template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk,
                         T* dv, const AttentionShape& s, T scale) {
-  // Heads are independent (disjoint outputs, per-thread scratch): split across the intra-op pool.
-  parallel_for(0, s.BH, 1, [&](int64_t bh_lo, int64_t bh_hi) {
-    for (int64_t bh = bh_lo; bh < bh_hi; ++bh) {
-      const int64_t qst = s.q.st, kst = s.k.st, ost = s.out.st, dost = s.dout.st;
-      const T* Q = head(q, s.q, s, bh);
-      const T* K = head(k, s.k, s, bh);
-      const T* KT = staged_transpose(K, s.S, s.D, kst, 2);                        // (D x S)
-      const T* VT = staged_transpose(head(v, s.v, s, bh), s.S, s.Dv, s.v.st, 3);  // (Dv x S)
-      const T* Oh = head(out, s.out, s, bh);
-      const T* dOh = head(dout, s.dout, s, bh);
-      T* dQh = head(dq, s.dq, s, bh);
-      T* dK = head(dk, s.dk, s, bh);
-      T* dV = head(dv, s.dv, s, bh);
-      for (int64_t j = 0; j < s.S; ++j) {
-        std::fill(dK + j * s.dk.st, dK + j * s.dk.st + s.D, T(0));
-        std::fill(dV + j * s.dv.st, dV + j * s.dv.st + s.Dv, T(0));
+  for_each_head(s, [&](int64_t bh) {
+    const int64_t qst = s.q.st, kst = s.k.st, ost = s.out.st, dost = s.dout.st;
+    const T* Q = head(q, s.q, s, bh);
+    const T* K = head(k, s.k, s, bh);
+    const T* KT = staged_transpose(K, s.S, s.D, kst, 2);                        // (D x S)
+    const T* VT = staged_transpose(head(v, s.v, s, bh), s.S, s.Dv, s.v.st, 3);  // (Dv x S)
+    const T* Oh = head(out, s.out, s, bh);
+    const T* dOh = head(dout, s.dout, s, bh);
+    T* dQh = head(dq, s.dq, s, bh);
+    T* dK = head(dk, s.dk, s, bh);
+    T* dV = head(dv, s.dv, s, bh);
+    zero_rows(dK, s.S, s.D, s.dk.st);
+    zero_rows(dV, s.S, s.Dv, s.dv.st);
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      T* dQ = dQh + t0 * s.dq.st;
+      if (n == 0) {
+        zero_rows(dQ, rows, s.D, s.dq.st);
+        continue;
       }
-      for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
-        const int64_t rows = std::min(kTile, s.T - t0);
-        const int64_t n = visible(s, t0 + rows - 1);
-        T* dQ = dQh + t0 * s.dq.st;
-        if (n == 0) {
-          for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * s.dq.st, dQ + r * s.dq.st + s.D, T(0));
+      const T* dO = dOh + t0 * dost;
+      const T* O = Oh + t0 * ost;
+      const T* Qt = Q + t0 * qst;
+      T* P = scratch<T>(0, rows * n);  // (rows x n)
+      mm<T>(false, rows, n, s.D, Qt, qst, KT, s.S, false, P, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = P + r * n;
+        const int64_t nr = visible(s, t0 + r);
+        const T l = lse[bh * s.T + t0 + r];
+        if constexpr (std::is_same_v<T, float>) {
+          exp_shifted_row_f32(row, nr, n, scale, l);
           continue;
         }
-        const T* dO = dOh + t0 * dost;
-        const T* O = Oh + t0 * ost;
-        const T* Qt = Q + t0 * qst;
-        T* P = scratch<T>(0, rows * n);  // (rows x n)
-        mm<T>(false, rows, n, s.D, Qt, qst, KT, s.S, false, P, n);
-        for (int64_t r = 0; r < rows; ++r) {
-          T* row = P + r * n;
-          const int64_t nr = visible(s, t0 + r);
-          const T l = lse[bh * s.T + t0 + r];
-          if constexpr (std::is_same_v<T, float>) {
-            exp_shifted_row_f32(row, nr, n, scale, l);
-            continue;
-          }
-  #pragma omp simd
-          for (int64_t j = 0; j < nr; ++j) row[j] = exp_of<T>(row[j] * scale - l);
-          std::fill(row + nr, row + n, T(0));
-        }
-        // dV[0:n] += P^T dO
-        mm<T>(true, n, s.Dv, rows, P, n, dO, dost, true, dV, s.dv.st);
-        // dS = P * (dO V^T - delta) * scale, in place of dP
-        T* dS = scratch<T>(1, rows * n);  // (rows x n)
-        mm<T>(false, rows, n, s.Dv, dO, dost, VT, s.S, false, dS, n);
-        for (int64_t r = 0; r < rows; ++r) {
-          const T* dor = dO + r * dost;
-          const T* orow = O + r * ost;
-          T* ds = dS + r * n;
-          const T* pr = P + r * n;
-          if constexpr (std::is_same_v<T, float>) {
-            softmax_grad_row_f32(ds, pr, n, dot_f32(dor, orow, s.Dv), scale);
-            continue;
-          }
-          T delta = 0;
-          for (int64_t d = 0; d < s.Dv; ++d) delta += dor[d] * orow[d];
-          for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
-        }
-        // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-        mm<T>(false, rows, s.D, n, dS, n, K, kst, false, dQ, s.dq.st);
-        mm<T>(true, n, s.D, rows, dS, n, Qt, qst, true, dK, s.dk.st);
+#pragma omp simd
+        for (int64_t j = 0; j < nr; ++j) row[j] = exp_of<T>(row[j] * scale - l);
+        std::fill(row + nr, row + n, T(0));
       }
+      // dV[0:n] += P^T dO
+      mm<T>(true, n, s.Dv, rows, P, n, dO, dost, true, dV, s.dv.st);
+      // dS = P * (dO V^T - delta) * scale, in place of dP
+      T* dS = scratch<T>(1, rows * n);  // (rows x n)
+      mm<T>(false, rows, n, s.Dv, dO, dost, VT, s.S, false, dS, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* dor = dO + r * dost;
+        const T* orow = O + r * ost;
+        T* ds = dS + r * n;
+        const T* pr = P + r * n;
+        if constexpr (std::is_same_v<T, float>) {
+          softmax_grad_row_f32(ds, pr, n, dot_f32(dor, orow, s.Dv), scale);
+          continue;
+        }
+        T delta = 0;
+        for (int64_t d = 0; d < s.Dv; ++d) delta += dor[d] * orow[d];
+        for (int64_t j = 0; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta) * scale;
+      }
+      // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
+      mm<T>(false, rows, s.D, n, dS, n, K, kst, false, dQ, s.dq.st);
+      mm<T>(true, n, s.D, rows, dS, n, Qt, qst, true, dK, s.dk.st);
     }
   });
 }
@@ -252,30 +259,27 @@ void round_rows(const float* src, uint16_t* dst, int64_t rows, int64_t cols, int
 
 void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
                             const AttentionShape& s, float scale) {
-  // Heads are independent (disjoint outputs, per-thread scratch): split across the intra-op pool.
-  parallel_for(0, s.BH, 1, [&](int64_t bh_lo, int64_t bh_hi) {
-    for (int64_t bh = bh_lo; bh < bh_hi; ++bh) {
-      const uint16_t* Q = head(q, s.q, s, bh);
-      const uint16_t* K = head(k, s.k, s, bh);
-      const uint16_t* V = head(v, s.v, s, bh);
-      uint16_t* Oh = head(out, s.out, s, bh);
-      for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
-        const int64_t rows = std::min(kTile, s.T - t0);
-        const int64_t n = visible(s, t0 + rows - 1);
-        uint16_t* O = Oh + t0 * s.out.st;
-        if (n == 0) {
-          for (int64_t r = 0; r < rows; ++r) std::fill(O + r * s.out.st, O + r * s.out.st + s.Dv, uint16_t{0});
-          std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<float>::infinity());
-          continue;
-        }
-        float* P = scratch<float>(0, rows * n);  // scores, then probabilities (rows x n)
-        amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, false, n);
-        for (int64_t r = 0; r < rows; ++r)
-          lse[bh * s.T + t0 + r] = softmax_row_f32(P + r * n, visible(s, t0 + r), n, scale);
-        uint16_t* Pb = scratch<uint16_t>(0, rows * n);
-        convert(P, kFloat32, Pb, kBFloat16, rows * n);
-        amx_tile_gemm_bf16('N', 'N', rows, s.Dv, n, Pb, n, V, s.v.st, false, O, true, s.out.st);
+  for_each_head(s, [&](int64_t bh) {
+    const uint16_t* Q = head(q, s.q, s, bh);
+    const uint16_t* K = head(k, s.k, s, bh);
+    const uint16_t* V = head(v, s.v, s, bh);
+    uint16_t* Oh = head(out, s.out, s, bh);
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      uint16_t* O = Oh + t0 * s.out.st;
+      if (n == 0) {
+        zero_rows(O, rows, s.Dv, s.out.st);
+        std::fill(lse + bh * s.T + t0, lse + bh * s.T + t0 + rows, -std::numeric_limits<float>::infinity());
+        continue;
       }
+      float* P = scratch<float>(0, rows * n);  // scores, then probabilities (rows x n)
+      amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, false, n);
+      for (int64_t r = 0; r < rows; ++r)
+        lse[bh * s.T + t0 + r] = softmax_row_f32(P + r * n, visible(s, t0 + r), n, scale);
+      uint16_t* Pb = scratch<uint16_t>(0, rows * n);
+      convert(P, kFloat32, Pb, kBFloat16, rows * n);
+      amx_tile_gemm_bf16('N', 'N', rows, s.Dv, n, Pb, n, V, s.v.st, false, O, true, s.out.st);
     }
   });
 }
@@ -283,56 +287,53 @@ void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t
 void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* out,
                              const float* lse, const uint16_t* dout, uint16_t* dq, uint16_t* dk, uint16_t* dv,
                              const AttentionShape& s, float scale) {
-  // Heads are independent (disjoint outputs, per-thread scratch): split across the intra-op pool.
-  parallel_for(0, s.BH, 1, [&](int64_t bh_lo, int64_t bh_hi) {
-    for (int64_t bh = bh_lo; bh < bh_hi; ++bh) {
-      const int64_t qst = s.q.st, kst = s.k.st, ost = s.out.st, dost = s.dout.st;
-      const uint16_t* Q = head(q, s.q, s, bh);
-      const uint16_t* K = head(k, s.k, s, bh);
-      const uint16_t* V = head(v, s.v, s, bh);
-      const uint16_t* Oh = head(out, s.out, s, bh);
-      const uint16_t* dOh = head(dout, s.dout, s, bh);
-      uint16_t* dQh = head(dq, s.dq, s, bh);
-      // dK, dV summed over the query tiles in f32 (S x D, S x Dv), rounded once at the end.
-      float* dKa = scratch<float>(2, s.S * s.D);
-      float* dVa = scratch<float>(3, s.S * s.Dv);
-      std::fill(dKa, dKa + s.S * s.D, 0.0f);
-      std::fill(dVa, dVa + s.S * s.Dv, 0.0f);
-      for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
-        const int64_t rows = std::min(kTile, s.T - t0);
-        const int64_t n = visible(s, t0 + rows - 1);
-        uint16_t* dQ = dQh + t0 * s.dq.st;
-        if (n == 0) {
-          for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * s.dq.st, dQ + r * s.dq.st + s.D, uint16_t{0});
-          continue;
-        }
-        const uint16_t* dO = dOh + t0 * dost;
-        const uint16_t* O = Oh + t0 * ost;
-        const uint16_t* Qt = Q + t0 * qst;
-        float* P = scratch<float>(0, rows * n);
-        amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Qt, qst, K, kst, false, P, false, n);
-        for (int64_t r = 0; r < rows; ++r) {
-          exp_shifted_row_f32(P + r * n, visible(s, t0 + r), n, scale, lse[bh * s.T + t0 + r]);
-        }
-        uint16_t* Pb = scratch<uint16_t>(0, rows * n);
-        convert(P, kFloat32, Pb, kBFloat16, rows * n);
-        // dV[0:n] += P^T dO
-        amx_tile_gemm_bf16('T', 'N', n, s.Dv, rows, Pb, n, dO, dost, true, dVa, false, s.Dv);
-        // dS = P * (dO V^T - delta) * scale
-        float* dS = scratch<float>(1, rows * n);
-        amx_tile_gemm_bf16('N', 'T', rows, n, s.Dv, dO, dost, V, s.v.st, false, dS, false, n);
-        for (int64_t r = 0; r < rows; ++r) {
-          softmax_grad_row_f32(dS + r * n, P + r * n, n, dot_bf16(dO + r * dost, O + r * ost, s.Dv), scale);
-        }
-        uint16_t* dSb = scratch<uint16_t>(1, rows * n);
-        convert(dS, kFloat32, dSb, kBFloat16, rows * n);
-        // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-        amx_tile_gemm_bf16('N', 'N', rows, s.D, n, dSb, n, K, kst, false, dQ, true, s.dq.st);
-        amx_tile_gemm_bf16('T', 'N', n, s.D, rows, dSb, n, Qt, qst, true, dKa, false, s.D);
+  for_each_head(s, [&](int64_t bh) {
+    const int64_t qst = s.q.st, kst = s.k.st, ost = s.out.st, dost = s.dout.st;
+    const uint16_t* Q = head(q, s.q, s, bh);
+    const uint16_t* K = head(k, s.k, s, bh);
+    const uint16_t* V = head(v, s.v, s, bh);
+    const uint16_t* Oh = head(out, s.out, s, bh);
+    const uint16_t* dOh = head(dout, s.dout, s, bh);
+    uint16_t* dQh = head(dq, s.dq, s, bh);
+    // dK, dV summed over the query tiles in f32 (S x D, S x Dv), rounded once at the end.
+    float* dKa = scratch<float>(2, s.S * s.D);
+    float* dVa = scratch<float>(3, s.S * s.Dv);
+    std::fill(dKa, dKa + s.S * s.D, 0.0f);
+    std::fill(dVa, dVa + s.S * s.Dv, 0.0f);
+    for (int64_t t0 = 0; t0 < s.T; t0 += kTile) {
+      const int64_t rows = std::min(kTile, s.T - t0);
+      const int64_t n = visible(s, t0 + rows - 1);
+      uint16_t* dQ = dQh + t0 * s.dq.st;
+      if (n == 0) {
+        zero_rows(dQ, rows, s.D, s.dq.st);
+        continue;
       }
-      round_rows(dKa, head(dk, s.dk, s, bh), s.S, s.D, s.dk.st);
-      round_rows(dVa, head(dv, s.dv, s, bh), s.S, s.Dv, s.dv.st);
+      const uint16_t* dO = dOh + t0 * dost;
+      const uint16_t* O = Oh + t0 * ost;
+      const uint16_t* Qt = Q + t0 * qst;
+      float* P = scratch<float>(0, rows * n);
+      amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Qt, qst, K, kst, false, P, false, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        exp_shifted_row_f32(P + r * n, visible(s, t0 + r), n, scale, lse[bh * s.T + t0 + r]);
+      }
+      uint16_t* Pb = scratch<uint16_t>(0, rows * n);
+      convert(P, kFloat32, Pb, kBFloat16, rows * n);
+      // dV[0:n] += P^T dO
+      amx_tile_gemm_bf16('T', 'N', n, s.Dv, rows, Pb, n, dO, dost, true, dVa, false, s.Dv);
+      // dS = P * (dO V^T - delta) * scale
+      float* dS = scratch<float>(1, rows * n);
+      amx_tile_gemm_bf16('N', 'T', rows, n, s.Dv, dO, dost, V, s.v.st, false, dS, false, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        softmax_grad_row_f32(dS + r * n, P + r * n, n, dot_bf16(dO + r * dost, O + r * ost, s.Dv), scale);
+      }
+      uint16_t* dSb = scratch<uint16_t>(1, rows * n);
+      convert(dS, kFloat32, dSb, kBFloat16, rows * n);
+      // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
+      amx_tile_gemm_bf16('N', 'N', rows, s.D, n, dSb, n, K, kst, false, dQ, true, s.dq.st);
+      amx_tile_gemm_bf16('T', 'N', n, s.D, rows, dSb, n, Qt, qst, true, dKa, false, s.D);
     }
+    round_rows(dKa, head(dk, s.dk, s, bh), s.S, s.D, s.dk.st);
+    round_rows(dVa, head(dv, s.dv, s, bh), s.S, s.Dv, s.dv.st);
   });
 }
 

@@ -207,10 +207,13 @@ std::pair<Tensor, Tensor> conv2d_backward_weight_im2col(const Tensor& gy, const 
   const int64_t R = std::min(P, std::max<int64_t>(64, (int64_t{1} << 20) / (K * 2)));
   const auto* px = static_cast<const uint16_t*>(x.data_ptr());   // (N, H, W, C) bf16 bits
   const auto* pg = static_cast<const uint16_t*>(gy.data_ptr());  // (N, OH, OW, O)
-  Tensor cols = empty({1, R, K}, kBFloat16), part = empty({1, O, K}, kFloat32), acc = zeros({O, K}, kFloat32);
+  // On AMX the products accumulate into acc directly; elsewhere each block's goes through part.
+  const bool amx = amx_bf16_enabled();
+  Tensor cols = empty({1, R, K}, kBFloat16), acc = zeros({O, K}, kFloat32);
+  Tensor part = amx ? Tensor() : empty({1, O, K}, kFloat32);
   auto* pc = static_cast<uint16_t*>(cols.data_ptr());
   float* pacc = acc.data_ptr<float>();
-  const float* ppart = part.data_ptr<float>();
+  const float* ppart = amx ? nullptr : part.data_ptr<float>();
   for (int64_t p0 = 0; p0 < P; p0 += R) {
     const int64_t rows = std::min(R, P - p0);
     // ---- gather: cols[r] = the receptive field of output pixel p0 + r ----
@@ -229,7 +232,7 @@ std::pair<Tensor, Tensor> conv2d_backward_weight_im2col(const Tensor& gy, const 
       }
     });
     // ---- dW += gy_block^T @ cols ----
-    if (amx_bf16_enabled()) {  // accumulates into acc directly
+    if (amx) {
       amx_gemm_bf16('T', 'N', O, K, rows, pg + p0 * O, O, pc, K, nullptr, true, pacc, false, K);
       continue;
     }

@@ -7,6 +7,7 @@
 #include "tandem/core/cpu_features.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
+#include "tandem/kernels/cpu/transpose16.h"
 
 // GCC 12's avx512fintrin.h seeds masked intrinsics with an "undefined" register and then warns
 // about it in every caller (see row_math.cc).
@@ -93,34 +94,12 @@ TANDEM_AVX512 void tile_sgemm_avx512(int64_t M, int64_t N, int64_t K, const floa
   }
 }
 
-// One 16 x 16 block: src rows (stride lds) to dst rows (stride ldd), transposed: 32-bit, 64-bit
-// and two 128-bit lane interleaves.
+// One 16 x 16 block: src rows (stride lds) to dst rows (stride ldd), transposed.
 TANDEM_AVX512 void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int h = 0; h < 16; h += 8) {
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_loadu_ps(src + i * lds));
+  transpose16x16_epi32(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, _mm512_castsi512_ps(r[i]));
 }
 
 TANDEM_AVX512 void transpose_avx512(const float* src, int64_t rows, int64_t cols, int64_t ld, float* dst) {
