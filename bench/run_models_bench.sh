@@ -78,7 +78,7 @@ for ((r = 1; r <= rounds; ++r)); do
 done
 
 "$torch_python" - "$out" <<'PY'
-import json, sys
+import json, statistics, sys
 
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
 best = {}  # (workload, impl) -> highest wall and cpu figures over rounds, last round's memory
@@ -127,11 +127,15 @@ if last:
                 allocs = f"{r['allocs_per_step']:.0f}" if "allocs_per_step" in r else "-"
                 print(f"  {key[0]:<8} {key[1]:<5} {impl:<7} " + " ".join(f"{r[c + '_ms']:>10.3f}" for c in cols)
                       + f" {allocs:>12}")
+    peaks = [r["f32_fma_peak_gflops"] for r in rows if r["name"] == "env" and r.get("f32_fma_peak_gflops")]
+    peak = max(peaks) if peaks else 0.0
     print("\nmatrix products (GEMM + convolution calls) in the same phase runs, ms/step; \"ceiling\": PyTorch's"
           "\nbest median cpu step over Tandem's GEMM + convolution time, the ratio Tandem would reach if"
-          "\neverything else took no time:")
+          "\neverything else took no time. f32 only: \"%peak\", Tandem's GEMM rate over this core's measured"
+          f"\nf32 FMA peak ({peak:.1f} GFLOP/s, 12 chains of FMAs); \"at peak\", the ratio if every f32 GEMM ran"
+          "\nat that peak and everything else took the time it takes now:")
     print(f"  {'workload':<8} {'dtype':<5} {'T gemm':>8} {'GF/s':>6} {'T conv':>8} {'GF/s':>6} {'P gemm':>8} {'P conv':>8}"
-          f" {'ceiling':>8}")
+          f" {'ceiling':>8} {'%peak':>6} {'at peak':>8}")
     for key in order:
         t, p = last.get((key[0], key[1], "tandem")), last.get((key[0], key[1], "torch"))
         if not t or not p or "gemm_ms" not in t:
@@ -139,8 +143,16 @@ if last:
         p_step_ms = min(r["step_ms_cpu_median"] for r in rows if r["name"] == f"{key[0]}_step"
                         and r["impl"] == "torch" and r["dtype"] == key[1])
         tm = t["gemm_ms"] + t["conv_ms"]
+        pct = at_peak = "-"
+        if key[1] == "f32" and peak > 0 and t["gemm_gflops"] > 0:
+            t_step_ms = statistics.median(r["step_ms_cpu_median"] for r in rows if r["name"] == f"{key[0]}_step"
+                                          and r["impl"] == "tandem" and r["dtype"] == key[1])
+            gemm_at_peak = t["gemm_ms"] * t["gemm_gflops"] / peak
+            pct = f"{100 * t['gemm_gflops'] / peak:.0f}%"
+            at_peak = f"{p_step_ms / (t_step_ms - t['gemm_ms'] + gemm_at_peak):.2f}x"
         print(f"  {key[0]:<8} {key[1]:<5} {t['gemm_ms']:>8.2f} {t['gemm_gflops']:>6.1f} {t['conv_ms']:>8.2f}"
-              f" {t['conv_gflops']:>6.1f} {p['gemm_ms']:>8.2f} {p['conv_ms']:>8.2f} {p_step_ms / tm if tm else float('nan'):>7.2f}x")
+              f" {t['conv_gflops']:>6.1f} {p['gemm_ms']:>8.2f} {p['conv_ms']:>8.2f} {p_step_ms / tm if tm else float('nan'):>7.2f}x"
+              f" {pct:>6} {at_peak:>8}")
 
 print("\nraw JSON lines:")
 for r in rows:
