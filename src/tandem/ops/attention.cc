@@ -5,7 +5,6 @@
 #include "tandem/amp/policy.h"
 #include "tandem/core/convert.h"
 #include "tandem/autograd/node.h"
-#include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/attention.h"
 #include "tandem/ops/linalg.h"
 #include "tandem/ops/loss.h"
@@ -113,10 +112,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::scaled_dot_product_attention, [](const auto&... args) { return scaled_dot_product_attention(args...); }, q, k, v, causal, scale_opt);
   kernels::AttentionShape s = check_shapes(q, k, v, causal);
   const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
-  // bf16 runs in bf16 on AMX tiles where the CPU has them (attention.h), else in f32.
-  const bool amx = q.dtype() == kBFloat16 && k.dtype() == kBFloat16 && v.dtype() == kBFloat16 &&
-                   kernels::amx_bf16_enabled();
-  const DType acc = q.dtype() == kFloat64 ? kFloat64 : amx ? kBFloat16 : kFloat32;
+  // bf16 runs in bf16 on AMX tiles or AVX512-BF16 where the CPU has them (attention.h), else in f32.
+  const bool native_bf16 = q.dtype() == kBFloat16 && k.dtype() == kBFloat16 && v.dtype() == kBFloat16 &&
+                           kernels::attention_bf16_native();
+  const DType acc = q.dtype() == kFloat64 ? kFloat64 : native_bf16 ? kBFloat16 : kFloat32;
   // (B, H, T, D) operands: 4-d tensors keep their heads; others are (BH, 1, T, D).
   s.H = q.dim() == 4 ? q.size(1) : 1;
   const Tensor qc = operand(q, acc, s.H, s.q), kc = operand(k, acc, s.H, s.k), vc = operand(v, acc, s.H, s.v);

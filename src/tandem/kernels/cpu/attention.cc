@@ -9,6 +9,7 @@
 #include "tandem/core/parallel.h"
 #include "tandem/core/tensor.h"
 #include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/dpbf16_gemm.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/row_math.h"
 #include "tandem/kernels/cpu/tile_gemm.h"
@@ -257,6 +258,20 @@ void round_rows(const float* src, uint16_t* dst, int64_t rows, int64_t cols, int
 
 }  // namespace
 
+bool attention_bf16_native() { return amx_bf16_enabled() || dpbf16_usable(); }
+
+namespace {
+
+// One bf16 tile product on AMX where enabled, else on AVX512-BF16.
+void tile_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
+                    const uint16_t* b, int64_t ldb, bool accumulate, void* c, bool c_bf16, int64_t ldc) {
+  static const bool amx = amx_bf16_enabled();
+  if (amx) return amx_tile_gemm_bf16(transa, transb, M, N, K, a, lda, b, ldb, accumulate, c, c_bf16, ldc);
+  dpbf16_tile_gemm_bf16(transa, transb, M, N, K, a, lda, b, ldb, accumulate, c, c_bf16, ldc);
+}
+
+}  // namespace
+
 void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, float* lse,
                             const AttentionShape& s, float scale) {
   for_each_head(s, [&](int64_t bh) {
@@ -274,12 +289,12 @@ void attention_forward_bf16(const uint16_t* q, const uint16_t* k, const uint16_t
         continue;
       }
       float* P = scratch<float>(0, rows * n);  // scores, then probabilities (rows x n)
-      amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, false, n);
+      tile_gemm_bf16('N', 'T', rows, n, s.D, Q + t0 * s.q.st, s.q.st, K, s.k.st, false, P, false, n);
       for (int64_t r = 0; r < rows; ++r)
         lse[bh * s.T + t0 + r] = softmax_row_f32(P + r * n, visible(s, t0 + r), n, scale);
       uint16_t* Pb = scratch<uint16_t>(0, rows * n);
       convert(P, kFloat32, Pb, kBFloat16, rows * n);
-      amx_tile_gemm_bf16('N', 'N', rows, s.Dv, n, Pb, n, V, s.v.st, false, O, true, s.out.st);
+      tile_gemm_bf16('N', 'N', rows, s.Dv, n, Pb, n, V, s.v.st, false, O, true, s.out.st);
     }
   });
 }
@@ -312,25 +327,25 @@ void attention_backward_bf16(const uint16_t* q, const uint16_t* k, const uint16_
       const uint16_t* O = Oh + t0 * ost;
       const uint16_t* Qt = Q + t0 * qst;
       float* P = scratch<float>(0, rows * n);
-      amx_tile_gemm_bf16('N', 'T', rows, n, s.D, Qt, qst, K, kst, false, P, false, n);
+      tile_gemm_bf16('N', 'T', rows, n, s.D, Qt, qst, K, kst, false, P, false, n);
       for (int64_t r = 0; r < rows; ++r) {
         exp_shifted_row_f32(P + r * n, visible(s, t0 + r), n, scale, lse[bh * s.T + t0 + r]);
       }
       uint16_t* Pb = scratch<uint16_t>(0, rows * n);
       convert(P, kFloat32, Pb, kBFloat16, rows * n);
       // dV[0:n] += P^T dO
-      amx_tile_gemm_bf16('T', 'N', n, s.Dv, rows, Pb, n, dO, dost, true, dVa, false, s.Dv);
+      tile_gemm_bf16('T', 'N', n, s.Dv, rows, Pb, n, dO, dost, true, dVa, false, s.Dv);
       // dS = P * (dO V^T - delta) * scale
       float* dS = scratch<float>(1, rows * n);
-      amx_tile_gemm_bf16('N', 'T', rows, n, s.Dv, dO, dost, V, s.v.st, false, dS, false, n);
+      tile_gemm_bf16('N', 'T', rows, n, s.Dv, dO, dost, V, s.v.st, false, dS, false, n);
       for (int64_t r = 0; r < rows; ++r) {
         softmax_grad_row_f32(dS + r * n, P + r * n, n, dot_bf16(dO + r * dost, O + r * ost, s.Dv), scale);
       }
       uint16_t* dSb = scratch<uint16_t>(1, rows * n);
       convert(dS, kFloat32, dSb, kBFloat16, rows * n);
       // dQ_tile = dS K[0:n];  dK[0:n] += dS^T Q_tile
-      amx_tile_gemm_bf16('N', 'N', rows, s.D, n, dSb, n, K, kst, false, dQ, true, s.dq.st);
-      amx_tile_gemm_bf16('T', 'N', n, s.D, rows, dSb, n, Qt, qst, true, dKa, false, s.D);
+      tile_gemm_bf16('N', 'N', rows, s.D, n, dSb, n, K, kst, false, dQ, true, s.dq.st);
+      tile_gemm_bf16('T', 'N', n, s.D, rows, dSb, n, Qt, qst, true, dKa, false, s.D);
     }
     round_rows(dKa, head(dk, s.dk, s, bh), s.S, s.D, s.dk.st);
     round_rows(dVa, head(dv, s.dv, s, bh), s.S, s.Dv, s.dv.st);

@@ -39,8 +39,12 @@ template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
                         const AttentionShape& s, T scale);
 
-// bf16 operands (bit patterns) on AMX tiles (amx_gemm.h; requires amx_bf16_enabled()), the
-// same tiling: every tile product takes bf16 inputs with f32 sums; scores, softmax, lse and dS
+// Whether the bf16 kernels below can run here: AMX tiles (amx_bf16_enabled()) or, without AMX,
+// AVX512-BF16 dot products (dpbf16_gemm.h, dpbf16_usable()). Else bf16 attention runs in f32.
+bool attention_bf16_native();
+
+// bf16 operands (bit patterns) on AMX tiles (amx_gemm.h), else on AVX512-BF16 (dpbf16_gemm.h;
+// requires attention_bf16_native()), the same tiling: every tile product takes bf16 inputs with f32 sums; scores, softmax, lse and dS
 // stay f32, and the probabilities P and dS are rounded to bf16 before the products they feed
 // (P V, P^T dO, dS K, dS^T Q), as PyTorch's CPU flash attention does for bf16. out, dq, dk, dv
 // are rounded once from f32 (dk, dv summed over query tiles in f32 first).
