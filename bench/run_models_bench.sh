@@ -14,7 +14,9 @@
 #   --workload W       only cnn or only gpt (default both)
 #   --dtype D          only f32 or only bf16 (default both)
 #   --phases           also print each side's per-phase step breakdown and its time inside GEMM and
-#                      convolution calls (Tandem: kernel timers; PyTorch: torch.profiler self time)
+#                      convolution calls (Tandem: kernel timers; PyTorch: torch.profiler self time),
+#                      and for f32 that time's rate against this core's measured FMA peak (the
+#                      "env" line's f32_fma_peak_gflops) with the ratio the step would reach at it
 #
 # Every (workload, dtype, side) runs in a process of its own, so that the peak-RSS figure is that
 # pair's alone. Columns: "wall" figures come from the median wall time per step; "cpu" figures
@@ -131,8 +133,8 @@ if last:
     peak = max(peaks) if peaks else 0.0
     print("\nmatrix products (GEMM + convolution calls) in the same phase runs, ms/step; \"ceiling\": PyTorch's"
           "\nbest median cpu step over Tandem's GEMM + convolution time, the ratio Tandem would reach if"
-          "\neverything else took no time. f32 only: \"%peak\", Tandem's GEMM rate over this core's measured"
-          f"\nf32 FMA peak ({peak:.1f} GFLOP/s, 12 chains of FMAs); \"at peak\", the ratio if every f32 GEMM ran"
+          "\neverything else took no time. f32 only: \"%peak\", Tandem's GEMM + convolution rate over this core's measured"
+          f"\nf32 FMA peak ({peak:.1f} GFLOP/s, 12 chains of FMAs); \"at peak\", the ratio if all of them ran"
           "\nat that peak and everything else took the time it takes now:")
     print(f"  {'workload':<8} {'dtype':<5} {'T gemm':>8} {'GF/s':>6} {'T conv':>8} {'GF/s':>6} {'P gemm':>8} {'P conv':>8}"
           f" {'ceiling':>8} {'%peak':>6} {'at peak':>8}")
@@ -144,12 +146,14 @@ if last:
                         and r["impl"] == "torch" and r["dtype"] == key[1])
         tm = t["gemm_ms"] + t["conv_ms"]
         pct = at_peak = "-"
-        if key[1] == "f32" and peak > 0 and t["gemm_gflops"] > 0:
+        if key[1] == "f32" and peak > 0 and tm > 0:
+            # GEMM and convolution together: both are f32 multiply-adds on the same FMA units.
             t_step_ms = statistics.median(r["step_ms_cpu_median"] for r in rows if r["name"] == f"{key[0]}_step"
                                           and r["impl"] == "tandem" and r["dtype"] == key[1])
-            gemm_at_peak = t["gemm_ms"] * t["gemm_gflops"] / peak
-            pct = f"{100 * t['gemm_gflops'] / peak:.0f}%"
-            at_peak = f"{p_step_ms / (t_step_ms - t['gemm_ms'] + gemm_at_peak):.2f}x"
+            gflop = (t["gemm_ms"] * t["gemm_gflops"] + t["conv_ms"] * t["conv_gflops"]) / 1e3
+            at_peak_ms = 1e3 * gflop / peak
+            pct = f"{100 * (1e3 * gflop / tm) / peak:.0f}%"
+            at_peak = f"{p_step_ms / (t_step_ms - tm + at_peak_ms):.2f}x"
         print(f"  {key[0]:<8} {key[1]:<5} {t['gemm_ms']:>8.2f} {t['gemm_gflops']:>6.1f} {t['conv_ms']:>8.2f}"
               f" {t['conv_gflops']:>6.1f} {p['gemm_ms']:>8.2f} {p['conv_ms']:>8.2f} {p_step_ms / tm if tm else float('nan'):>7.2f}x"
               f" {pct:>6} {at_peak:>8}")
