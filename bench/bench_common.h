@@ -192,53 +192,34 @@ inline void print_phases(const std::string& name, const std::string& dtype, cons
 // or 256-bit ones (AVX2+FMA), enough to cover the FMA latency on current x86 cores, for ~0.1 s;
 // the best of 3 runs, in GFLOP/s (2 flops per lane per FMA). The yardstick for how close the f32
 // GEMM time of a step is to what the core can do at all (--phases). 0 without FMA.
-#define TANDEM_PEAK_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-// One timed run: V (the vector type), SET1, FMA and SUM (to a double) are the ISA's intrinsics.
-#define TANDEM_PEAK_RUN(V, SET1, FMA, SUM, LANES)                                         \
-  do {                                                                                     \
-    const V a = SET1(0.999f), b = SET1(1e-3f);                                             \
-    TANDEM_PEAK_CHAINS(TANDEM_PEAK_DECL)                                                   \
-    const int64_t n = 2'000'000;                                                           \
-    const auto t0 = Clock::now();                                                          \
-    for (int64_t i = 0; i < n; ++i) {                                                      \
-      TANDEM_PEAK_CHAINS(TANDEM_PEAK_STEP)                                                 \
-    }                                                                                      \
-    const double s = seconds_since(t0);                                                    \
-    TANDEM_PEAK_CHAINS(TANDEM_PEAK_SUM)                                                    \
-    best = std::max(best, 2.0 * (LANES) * 12.0 * static_cast<double>(n) / s / 1e9);        \
-  } while (0)
-#define TANDEM_PEAK_DECL(i) auto v##i = SET1_(1.0f + 1e-3f * (i));
-#define TANDEM_PEAK_STEP(i) v##i = FMA_(v##i, a, b);
-#define TANDEM_PEAK_SUM(i) total += SUM_(v##i);
+// The timed loop of one ISA: V the vector type, SET1 / FMA its intrinsics, LANES its f32 lanes.
+// The chains live in an array whose loops are fully unrolled, so they stay in registers.
+#define TANDEM_FMA_PEAK_BODY(V, SET1, FMA, LANES)                                           \
+  constexpr int kChains = 12;                                                                \
+  const V a = SET1(0.999f), b = SET1(1e-3f);                                                 \
+  double best = 0;                                                                           \
+  float sink = 0;                                                                            \
+  for (int rep = 0; rep < 3; ++rep) {                                                        \
+    V v[kChains];                                                                            \
+    _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) v[c] = SET1(1.0f + 1e-3f * c); \
+    const int64_t n = 2'000'000;                                                             \
+    const auto t0 = Clock::now();                                                            \
+    for (int64_t i = 0; i < n; ++i) {                                                        \
+      _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) v[c] = FMA(v[c], a, b);     \
+    }                                                                                        \
+    const double s = seconds_since(t0);                                                      \
+    _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) sink += v[c][0];              \
+    best = std::max(best, 2.0 * (LANES) * kChains * static_cast<double>(n) / s / 1e9);       \
+  }                                                                                          \
+  return sink == 0.12345f ? 0 : best; /* uses the chains, so they are not optimised away */
 
 __attribute__((target("avx512f"))) inline double fma_peak_avx512() {
-#define SET1_ _mm512_set1_ps
-#define FMA_ _mm512_fmadd_ps
-#define SUM_(v) static_cast<double>(_mm512_reduce_add_ps(v))
-  double best = 0, total = 0;
-  for (int rep = 0; rep < 3; ++rep) TANDEM_PEAK_RUN(__m512, SET1_, FMA_, SUM_, 16);
-#undef SET1_
-#undef FMA_
-#undef SUM_
-  return total == 0.12345 ? 0 : best;  // uses the sums, so the chains are not optimised away
+  TANDEM_FMA_PEAK_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, 16)
 }
-
 __attribute__((target("avx2,fma"))) inline double fma_peak_avx2() {
-#define SET1_ _mm256_set1_ps
-#define FMA_ _mm256_fmadd_ps
-#define SUM_(v) static_cast<double>(_mm256_cvtss_f32(v))
-  double best = 0, total = 0;
-  for (int rep = 0; rep < 3; ++rep) TANDEM_PEAK_RUN(__m256, SET1_, FMA_, SUM_, 8);
-#undef SET1_
-#undef FMA_
-#undef SUM_
-  return total == 0.12345 ? 0 : best;
+  TANDEM_FMA_PEAK_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, 8)
 }
-#undef TANDEM_PEAK_DECL
-#undef TANDEM_PEAK_STEP
-#undef TANDEM_PEAK_SUM
-#undef TANDEM_PEAK_RUN
-#undef TANDEM_PEAK_CHAINS
+#undef TANDEM_FMA_PEAK_BODY
 
 inline double f32_fma_peak_gflops() {
   static const double peak = [] {

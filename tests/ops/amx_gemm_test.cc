@@ -25,13 +25,7 @@ namespace {
 
 using testing::bf16_bits;
 using testing::bf16_value;
-
-std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed) {
-  const Generator gen(seed);
-  std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = bf16_bits(gen.uniform(0, static_cast<uint64_t>(i)) * 2.0f - 1.0f);
-  return v;
-}
+using testing::random_bf16;
 
 struct Case {
   int64_t M, N, K;

@@ -18,7 +18,6 @@
 
 #include <gtest/gtest.h>
 
-#include "tandem/core/rng.h"
 #include "tandem/kernels/cpu/dpbf16_gemm.h"
 #include "util/test_util.h"
 
@@ -27,13 +26,7 @@ namespace {
 
 using testing::bf16_bits;
 using testing::bf16_value;
-
-std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed) {
-  const Generator gen(seed);
-  std::vector<uint16_t> v(static_cast<size_t>(std::max<int64_t>(n, 1)));
-  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = bf16_bits(gen.uniform(0, static_cast<uint64_t>(i)) * 4.0f - 2.0f);
-  return v;
-}
+using testing::random_bf16;
 
 struct Case {
   int64_t M, N, K;
@@ -46,9 +39,9 @@ struct Case {
 int check_case(const Case& cs, uint64_t seed) {
   const int64_t M = cs.M, N = cs.N, K = cs.K;
   const int64_t lda = (cs.ta == 'N' ? K : M) + cs.pad, ldb = (cs.tb == 'N' ? N : K) + cs.pad + 1, ldc = N + 3;
-  const std::vector<uint16_t> a = random_bf16((cs.ta == 'N' ? M : K) * lda, seed);
-  const std::vector<uint16_t> b = random_bf16((cs.tb == 'N' ? K : N) * ldb, seed + 1);
-  const std::vector<uint16_t> c0h = random_bf16(M * ldc, seed + 2);
+  const std::vector<uint16_t> a = random_bf16((cs.ta == 'N' ? M : K) * lda, seed, -2.0f, 2.0f);
+  const std::vector<uint16_t> b = random_bf16((cs.tb == 'N' ? K : N) * ldb, seed + 1, -2.0f, 2.0f);
+  const std::vector<uint16_t> c0h = random_bf16(M * ldc, seed + 2, -2.0f, 2.0f);
   std::vector<float> c0f(static_cast<size_t>(M * ldc));
   for (size_t i = 0; i < c0f.size(); ++i) c0f[i] = bf16_value(c0h[i]);
   std::vector<uint16_t> got_h = c0h, ref_h = c0h;

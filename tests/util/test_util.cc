@@ -261,4 +261,13 @@ AttentionBounds attention_bf16_bounds(const Tensor& q0, const Tensor& k0, const 
   return b;
 }
 
+std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float lo, float hi) {
+  const Generator gen(seed);
+  std::vector<uint16_t> v(static_cast<size_t>(std::max<int64_t>(n, 1)));
+  for (int64_t i = 0; i < n; ++i) {
+    v[static_cast<size_t>(i)] = bf16_bits(gen.uniform(0, static_cast<uint64_t>(i)) * (hi - lo) + lo);
+  }
+  return v;
+}
+
 }  // namespace tandem::testing

@@ -76,6 +76,9 @@ std::vector<std::string> names(const std::vector<std::pair<std::string, Tensor>>
 // bf16 bit patterns (core/half.h's round-to-nearest-even), for tests that feed raw kernels.
 inline uint16_t bf16_bits(float f) { return bfloat16(f).bits; }
 inline float bf16_value(uint16_t bits) { return bfloat16::from_bits(bits); }
+// n bf16 bit patterns of values uniform in [lo, hi) from Generator(seed) (element i from its
+// counter i, so a prefix does not depend on n); at least one element, for n = 0 operands.
+std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
 
 // How far bf16 attention may be from f32 attention on the same bf16-representable values
 // (derivation in test_util.cc): elementwise bounds for the output and the three gradients.

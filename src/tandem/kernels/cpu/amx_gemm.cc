@@ -397,18 +397,23 @@ void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const u
 
 }  // namespace
 
-bool amx_bf16_enabled() {
-  static const bool on = [] {
+bool bf16_kernels_switched_off() {
+  static const bool off = [] {
     const char* env = std::getenv("TANDEM_BF16_GEMM");
     const std::string v = env != nullptr ? env : "";
-    if (v == "onednn") return false;
+    if (v == "onednn") return true;
     if (!v.empty() && v != "amx") {
       throw ValueError(fmt::format("TANDEM_BF16_GEMM=\"{}\" is not a known bf16 GEMM; use \"amx\" (Tandem's AMX "
                                    "kernel, the default where the CPU has AMX-BF16) or \"onednn\" (oneDNN's matmul)",
                                    v));
     }
-    return amx_bf16_usable();
+    return false;
   }();
+  return off;
+}
+
+bool amx_bf16_enabled() {
+  static const bool on = !bf16_kernels_switched_off() && amx_bf16_usable();
   return on;
 }
 

@@ -15,6 +15,11 @@ namespace tandem::kernels {
 // ARCH_REQ_XCOMP_PERM, asked once).
 bool amx_bf16_usable();
 
+// TANDEM_BF16_GEMM=onednn: Tandem's own bf16 kernels (this one, and the AVX512-BF16 tile
+// products of dpbf16_gemm.h) are off and bf16 goes to oneDNN (attention to f32). Read once; any
+// value other than "amx" or "onednn" is a ValueError naming it.
+bool bf16_kernels_switched_off();
+
 // amx_bf16_usable() and not switched off by TANDEM_BF16_GEMM=onednn (read once; any value other
 // than "amx" or "onednn" is a ValueError naming it): whether kernels::gemm and the attention
 // kernel take the AMX products for bf16.

@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "tandem/core/convert.h"
 #include "tandem/core/cpu_features.h"
+#include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/acc_block.h"
 #include "tandem/kernels/cpu/transpose16.h"
 
 // GCC 12's avx512fintrin.h seeds masked intrinsics with an "undefined" register and then warns
@@ -87,14 +87,7 @@ template <int R, int NV>
 TANDEM_DPBF16 inline void micro(int64_t pairs, const uint32_t* a, int64_t a_rs, int64_t a_cs, const uint32_t* b,
                                 int64_t ldb, bool load, float* c, int64_t ldc, __mmask16 last) {
   __m512 acc[R][NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      const __mmask16 m = j == NV - 1 ? last : static_cast<__mmask16>(0xffff);
-      acc[i][j] = load ? _mm512_maskz_loadu_ps(m, c + i * ldc + 16 * j) : _mm512_setzero_ps();
-    }
-  }
+  load_acc_block<R, NV>(acc, load, c, ldc, last);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh bv[NV];
 #pragma GCC unroll 4
@@ -106,14 +99,7 @@ TANDEM_DPBF16 inline void micro(int64_t pairs, const uint32_t* a, int64_t a_rs, 
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, bv[j]);
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      const __mmask16 m = j == NV - 1 ? last : static_cast<__mmask16>(0xffff);
-      _mm512_mask_storeu_ps(c + i * ldc + 16 * j, m, acc[i][j]);
-    }
-  }
+  store_acc_block<R, NV>(acc, c, ldc, last);
 }
 
 template <int NV>
@@ -216,9 +202,7 @@ float ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0
 bool dpbf16_usable() {
   static const bool on = [] {
     const CpuFeatures& f = cpu_features();
-    const char* env = std::getenv("TANDEM_BF16_GEMM");
-    if (env != nullptr && std::string(env) == "onednn") return false;
-    return f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
+    return !bf16_kernels_switched_off() && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
   }();
   return on;
 }

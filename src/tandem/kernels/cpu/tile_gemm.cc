@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "tandem/core/cpu_features.h"
+#include "tandem/kernels/cpu/acc_block.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/kernels/cpu/transpose16.h"
@@ -27,14 +28,7 @@ TANDEM_AVX512 inline void micro(int64_t K, const float* a, int64_t a_rs, int64_t
                                 bool accumulate, float* c, int64_t ldc, __mmask16 last) {
   // Fully unrolled (the pragmas), so GCC keeps acc in registers instead of on the stack.
   __m512 acc[MR][NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      const __mmask16 m = j == NV - 1 ? last : static_cast<__mmask16>(0xffff);
-      acc[i][j] = accumulate ? _mm512_maskz_loadu_ps(m, c + i * ldc + 16 * j) : _mm512_setzero_ps();
-    }
-  }
+  load_acc_block<MR, NV>(acc, accumulate, c, ldc, last);
   for (int64_t k = 0; k < K; ++k) {
     __m512 bv[NV];
 #pragma GCC unroll 4
@@ -50,14 +44,7 @@ TANDEM_AVX512 inline void micro(int64_t K, const float* a, int64_t a_rs, int64_t
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      const __mmask16 m = j == NV - 1 ? last : static_cast<__mmask16>(0xffff);
-      _mm512_mask_storeu_ps(c + i * ldc + 16 * j, m, acc[i][j]);
-    }
-  }
+  store_acc_block<MR, NV>(acc, c, ldc, last);
 }
 
 // All rows of one column block of NV vectors: blocks of 6 rows, then the remainder.
