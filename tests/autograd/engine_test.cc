@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "tandem/autograd/engine.h"
+#include "tandem/autograd/node.h"
 #include "util/test_util.h"
 
 namespace td = tandem;
@@ -339,4 +340,96 @@ TEST(Engine, QueuedCallbackRunsOnceAfterEveryNodeOfThatBackward) {
   EXPECT_TRUE(b_had_grad);
   EXPECT_FALSE(tandem::autograd::in_backward());
   EXPECT_THROW(tandem::autograd::queue_callback([] {}), tandem::AutogradError);
+}
+
+// ---- gradient destinations (set_grad_destination): a gradient produced where its leaf asked ----
+
+namespace {
+
+// A (rows x cols) f32 leaf with seeded normal values.
+Tensor param(int64_t rows, int64_t cols, uint64_t seed) {
+  td::Generator gen(seed);
+  Tensor t = td::randn({rows, cols}, td::kFloat32, &gen);
+  t.requires_grad_(true);
+  return t;
+}
+
+// The same leaf's gradient of sum(linear(x, w) * k) computed without a destination, on a copy.
+Tensor plain_grad(const Tensor& x, const Tensor& w, bool bf16) {
+  Tensor w2 = w.detach().clone();
+  w2.requires_grad_(true);
+  const Tensor xx = bf16 ? x.to(td::kBFloat16) : x;
+  const Tensor ww = bf16 ? w2.to(td::kBFloat16) : w2;
+  sum(td::ops::linear(xx, ww, Tensor()).to(td::kFloat32) * 0.5).backward();
+  return w2.grad();
+}
+
+}  // namespace
+
+// linear's weight GEMM writes the gradient straight into the destination, and AccumulateGrad
+// adopts it (grad() is the destination's memory); the values are those of the plain backward,
+// bit for bit (the same GEMM). Under a cast to bf16 (autocast's weight cast) the cast's backward
+// converts into the f32 destination instead.
+TEST(GradDestination, LinearWeightAndCastBackProduceTheGradientInPlace) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 cast" : "f32");
+    Tensor x = param(6, 5, 1).detach();
+    Tensor w = param(7, 5, 2);
+    Tensor dest = td::zeros({7, 5}, td::kFloat32);
+    td::autograd::set_grad_destination(w, dest);
+    const Tensor xx = bf16 ? x.to(td::kBFloat16) : x;
+    const Tensor ww = bf16 ? w.to(td::kBFloat16) : w;
+    sum(td::ops::linear(xx, ww, Tensor()).to(td::kFloat32) * 0.5).backward();
+    ASSERT_TRUE(w.grad().defined());
+    EXPECT_EQ(w.grad().data_ptr(), dest.data_ptr()) << "the gradient was not produced in its destination";
+    EXPECT_EQ(w.grad().to_vector(), plain_grad(x, w, bf16).to_vector());
+    EXPECT_EQ(dest.to_vector(), w.grad().to_vector());
+    td::autograd::set_grad_destination(w, Tensor());
+  }
+}
+
+// No offer where it would be wrong or useless: a grad() that already exists accumulates as
+// before (the destination untouched), a leaf reached by two edges gets the sum (not one part in
+// the destination), create_graph keeps its graph, and a cleared destination is not used.
+TEST(GradDestination, OnlyOfferedForAFreshGradientFromOneEdge) {
+  Tensor x = param(4, 3, 3).detach();
+  const Tensor reference = plain_grad(x, param(5, 3, 4), false);
+  {
+    Tensor w = param(5, 3, 4);
+    w.set_grad(td::ones({5, 3}, td::kFloat32));
+    Tensor dest = td::zeros({5, 3}, td::kFloat32);
+    td::autograd::set_grad_destination(w, dest);
+    sum(td::ops::linear(x, w, Tensor()) * 0.5).backward();
+    EXPECT_NE(w.grad().data_ptr(), dest.data_ptr());
+    EXPECT_EQ(w.grad().to_vector(), (reference + 1.0).to_vector());
+    EXPECT_EQ(dest.to_vector(), td::zeros({5, 3}, td::kFloat32).to_vector());
+  }
+  {
+    Tensor w = param(5, 3, 4);
+    Tensor dest = td::zeros({5, 3}, td::kFloat32);
+    td::autograd::set_grad_destination(w, dest);
+    (sum(td::ops::linear(x, w, Tensor()) * 0.5) + sum(w)).backward();  // two edges into w
+    EXPECT_EQ(w.grad().to_vector(), (reference + 1.0).to_vector());
+    EXPECT_EQ(dest.to_vector(), td::zeros({5, 3}, td::kFloat32).to_vector());
+  }
+  {
+    Tensor w = param(5, 3, 4);
+    Tensor dest = td::zeros({5, 3}, td::kFloat32);
+    td::autograd::set_grad_destination(w, dest);
+    sum(td::ops::linear(x, w, Tensor()) * 0.5).backward(Tensor(), false, true);  // create_graph
+    EXPECT_NE(w.grad().data_ptr(), dest.data_ptr());
+    EXPECT_EQ(w.grad().to_vector(), reference.to_vector());
+  }
+  {
+    Tensor w = param(5, 3, 4);
+    Tensor dest = td::zeros({5, 3}, td::kFloat32);
+    td::autograd::set_grad_destination(w, dest);
+    td::autograd::set_grad_destination(w, Tensor());
+    sum(td::ops::linear(x, w, Tensor()) * 0.5).backward();
+    EXPECT_NE(w.grad().data_ptr(), dest.data_ptr());
+    EXPECT_EQ(w.grad().to_vector(), reference.to_vector());
+  }
+  Tensor w = param(5, 3, 4);
+  EXPECT_THROW(td::autograd::set_grad_destination(w, td::zeros({3, 5}, td::kFloat32)), td::ValueError);
+  EXPECT_THROW(td::autograd::set_grad_destination(w, td::zeros({5, 3}, td::kFloat64)), td::ValueError);
 }

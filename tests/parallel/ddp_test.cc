@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "tandem/amp/autocast.h"
 #include "tandem/amp/grad_scaler.h"
@@ -447,6 +448,54 @@ TEST(DDP, HeldGradientsSurviveLaterIterationsUnlessBucketViews) {
     bool view_changed = false;
     for (size_t i = 0; i < held_view.size(); ++i) view_changed |= rel_diff(held_view[i], held_view_values[i]) != 0.0;
     if (!view_changed) fail("with gradient_as_bucket_view a held gradient should be the live bucket slot");
+  });
+}
+
+// A linear layer's weight gradient is produced in its bucket slot (the slot is the parameter's
+// gradient destination), in f32 and through autocast's cast back from bf16: when the parameter's
+// own post-accumulate hooks run, grad() already lies in a bucket, so nothing copies it there;
+// training stays equal to the run without DDP's help (the equivalence tests) and to itself.
+TEST(DDP, LinearWeightGradientsAreProducedInTheirBucketSlots) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    Workload w = w1_mlp();
+    for (bool bf16 : {false, true}) {
+      td::manual_seed(0);
+      auto model = w.make_model();
+      DistributedDataParallel ddp(model, group, {});
+      std::vector<int64_t> in_bucket, seen;
+      std::vector<Tensor> weights;
+      for (auto& [name, p] : model->named_parameters()) {
+        if (p.dim() == 2) weights.push_back(p);
+      }
+      for (size_t i = 0; i < weights.size(); ++i) {
+        weights[i].register_post_accumulate_grad_hook([&, i](Tensor& p) {
+          ++seen[i];
+          for (size_t b = 0; b < ddp.reducer().bucket_sizes_bytes().size(); ++b) {
+            if (p.grad().storage() == ddp.reducer().bucket_buffer(static_cast<int64_t>(b)).storage()) ++in_bucket[i];
+          }
+        });
+      }
+      in_bucket.assign(weights.size(), 0);
+      seen.assign(weights.size(), 0);
+      const int steps = 4;  // across the rebuild, then between the bucket memories that take turns
+      for (int s = 0; s < steps; ++s) {
+        auto [x, y] = w.batch(s, 16);
+        model->zero_grad();
+        Tensor loss;
+        {
+          std::optional<td::amp::autocast> cast;
+          if (bf16) cast.emplace(td::kBFloat16);
+          loss = w.loss(ddp(rank_rows(x, group->rank(), 2)), rank_rows(y, group->rank(), 2));
+        }
+        loss.backward();
+      }
+      for (size_t i = 0; i < weights.size(); ++i) {
+        if (seen[i] != steps || in_bucket[i] != steps) {
+          fail(fmt::format("{}: weight {} was in its bucket at {} of {} hooks ({} steps)", bf16 ? "bf16" : "f32", i,
+                           in_bucket[i], seen[i], steps));
+        }
+      }
+    }
   });
 }
 

@@ -41,6 +41,38 @@ void add_into(Tensor& slot, Tensor&& g) {
   }
 }
 
+// The gradient destinations (node.h) to offer node `n`: for each next edge into the
+// AccumulateGrad of a leaf that has a destination and no grad(), where this node is the only
+// producer left and nothing arrived before it. Empty when there is nothing to offer.
+std::vector<Tensor> destination_offers(Node* n, const std::unordered_map<Node*, int64_t>& deps,
+                                       const std::unordered_map<Node*, std::vector<Tensor>>& buffers) {
+  std::vector<Tensor> offers;
+  const auto& edges = n->next_edges();
+  for (size_t i = 0; i < edges.size(); ++i) {
+    auto* acc = dynamic_cast<AccumulateGrad*>(edges[i].fn.get());
+    if (acc == nullptr) continue;
+    auto d = deps.find(acc);
+    if (d == deps.end() || d->second != 1) continue;
+    if (auto b = buffers.find(acc); b != buffers.end() && !b->second.empty() && b->second[0].defined()) continue;
+    std::shared_ptr<TensorImpl> leaf = acc->leaf().lock();
+    if (!leaf || !leaf->autograd) continue;
+    const AutogradMeta& meta = *leaf->autograd;
+    if (meta.grad.defined() || !meta.grad_destination.defined()) continue;
+    offers.resize(edges.size());
+    offers[i] = meta.grad_destination;
+  }
+  return offers;
+}
+
+// Makes `offers` (or nothing) the current node's for the duration of its apply().
+struct OfferScope {
+  std::vector<Tensor>* saved;
+  explicit OfferScope(std::vector<Tensor>* o) : saved(detail::offered_destinations()) { detail::offered_destinations() = o; }
+  ~OfferScope() { detail::offered_destinations() = saved; }
+  OfferScope(const OfferScope&) = delete;
+  OfferScope& operator=(const OfferScope&) = delete;
+};
+
 // Callbacks of the backward passes running on this thread (innermost last).
 thread_local std::vector<std::vector<std::function<void()>>> callback_frames;
 
@@ -140,7 +172,15 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
       }
       if (is_accumulator) continue;  // autograd::grad never touches grad()
     }
-    std::vector<Tensor> outputs = n->apply(std::move(inputs));
+    std::vector<Tensor> offers;
+    if (captures == nullptr && !create_graph && !is_accumulator && detail::live_grad_destinations() > 0) {
+      offers = destination_offers(n, deps, buffers);
+    }
+    std::vector<Tensor> outputs;
+    {
+      OfferScope scope(offers.empty() ? nullptr : &offers);
+      outputs = n->apply(std::move(inputs));
+    }
     if (!retain_graph) n->release_variables();
     const auto& edges = n->next_edges();
     for (size_t i = 0; i < edges.size(); ++i) {

@@ -9,7 +9,39 @@ namespace tandem::autograd {
 namespace {
 std::atomic<uint64_t> next_sequence_nr{0};
 thread_local bool grad_enabled = true;
+std::atomic<int64_t> live_destinations{0};
+thread_local std::vector<Tensor>* offers = nullptr;
 }  // namespace
+
+namespace detail {
+int64_t live_grad_destinations() { return live_destinations.load(std::memory_order_relaxed); }
+std::vector<Tensor>*& offered_destinations() { return offers; }
+}  // namespace detail
+
+void set_grad_destination(const Tensor& leaf, Tensor destination) {
+  if (destination.defined()) {
+    TANDEM_CHECK(destination.shape() == leaf.shape() && destination.dtype() == leaf.dtype() &&
+                     destination.is_contiguous(),
+                 ValueError, "set_grad_destination: a {} {} buffer for a {} {} tensor (need the same shape and dtype, contiguous)",
+                 dtype_name(destination.dtype()), shape_str(destination.shape()), dtype_name(leaf.dtype()),
+                 shape_str(leaf.shape()));
+  } else if (!leaf.impl().autograd) {
+    return;
+  }
+  AutogradMeta& meta = autograd_meta(leaf);
+  const bool had = meta.grad_destination.defined();
+  meta.grad_destination = std::move(destination);
+  const bool has = meta.grad_destination.defined();
+  if (has != had) live_destinations.fetch_add(has ? 1 : -1, std::memory_order_relaxed);
+}
+
+Tensor take_output_destination(size_t edge, const Shape& shape, DType dtype) {
+  std::vector<Tensor>* o = offers;
+  if (o == nullptr || edge >= o->size() || !(*o)[edge].defined()) return {};
+  Tensor d = std::move((*o)[edge]);
+  if (d.shape() != shape || d.dtype() != dtype || !d.is_contiguous()) return {};
+  return d;
+}
 
 bool is_grad_enabled() { return grad_enabled; }
 void set_grad_enabled(bool enabled) { grad_enabled = enabled; }
@@ -35,9 +67,13 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
     NoGradGuard no_grad;
     if (!meta.grad.defined()) {
       // Steal the buffer when nobody else holds it (the common case), else copy: another input
-      // of the same op may have received this very tensor.
+      // of the same op may have received this very tensor. A gradient produced in the leaf's
+      // destination (set_grad_destination) is adopted as it is.
+      const Tensor& dest = meta.grad_destination;
+      const bool in_destination = dest.defined() && g.storage() == dest.storage() && g.offset() == dest.offset() &&
+                                  g.shape() == dest.shape() && g.dtype() == dest.dtype() && g.is_contiguous();
       const bool exclusive = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.is_contiguous();
-      Tensor owned = exclusive ? g.detach() : g.clone();
+      Tensor owned = in_destination || exclusive ? g.detach() : g.clone();
       if (owned.dtype() != leaf.dtype()) owned = owned.to(leaf.dtype());
       meta.grad = owned;
     } else {

@@ -74,6 +74,8 @@ struct AutogradMeta {
   std::shared_ptr<Node> grad_accumulator;  // leaves only, made on first use
   std::map<int64_t, TensorHook> leaf_hooks;                    // leaves: run before accumulation
   std::map<int64_t, PostAccumulateGradHook> post_acc_hooks;   // leaves: run after accumulation
+  // Leaves: where the next gradient should be produced (set_grad_destination), or undefined.
+  Tensor grad_destination;
   std::string name;
 };
 
@@ -105,6 +107,28 @@ class FunctionNode : public Node {
   std::string name_;
   BackwardFn fn_;
 };
+
+// ---- gradient destinations ----
+// A leaf may name a buffer of its own shape and dtype where its next gradient is to be produced
+// (DDP: the parameter's slot in its communication bucket). While that leaf has no grad() and its
+// gradient comes from a single edge, the engine offers the buffer to the node producing it; a
+// node's backward that takes the offer writes its result there and returns it, and
+// AccumulateGrad then adopts it as grad() without a copy. Offers are only made in a backward
+// without create_graph, outside autograd::grad. A node that ignores the offer is unaffected.
+// The destination stays set until replaced or cleared (an undefined `destination`); it holds a
+// reference to the buffer. Not thread-safe against a backward running on the same leaf.
+void set_grad_destination(const Tensor& leaf, Tensor destination);
+
+// Inside a node's backward: the buffer offered for next edge `edge`, if one is and it has
+// `shape` and `dtype` (contiguous); else undefined. Each offer is taken at most once.
+Tensor take_output_destination(size_t edge, const Shape& shape, DType dtype);
+
+namespace detail {
+// How many leaves have a destination set (the engine skips the search when none has).
+int64_t live_grad_destinations();
+// The offers for the node being applied on this thread (one per next edge), or null.
+std::vector<Tensor>*& offered_destinations();
+}  // namespace detail
 
 // ---- helpers used by ops ----
 

@@ -125,7 +125,16 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     const Tensor g2 = g[0].reshape({M, outf});
     G grads(has_bias ? 3 : 2);
     if (rx) grads[0] = mm_raw(g2, w).view(xshape);     // (M, out) @ (out, in)
-    if (rw) grads[1] = mm_raw(g2.t(), x2);             // (out, M) @ (M, in)
+    if (rw) {                                          // (out, M) @ (M, in)
+      // Straight into the weight's gradient destination when one is offered (a DDP bucket slot).
+      if (Tensor d = autograd::take_output_destination(1, w.shape(), g2.dtype()); d.defined()) {
+        Tensor c = d.view({1, outf, w.size(1)});
+        kernels::gemm_into(g2.t().unsqueeze(0), x2.unsqueeze(0), Tensor(), c);
+        grads[1] = d;
+      } else {
+        grads[1] = mm_raw(g2.t(), x2);
+      }
+    }
     if (rb) grads[2] = bias_grad(g2, outf);
     return grads;
   });

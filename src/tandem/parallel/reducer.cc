@@ -94,6 +94,7 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, std::shared
 }
 
 Reducer::~Reducer() {
+  clear_destinations();
   for (auto& p : params_) {
     if (p.hook >= 0) p.tensor.remove_hook(p.hook);
   }
@@ -213,7 +214,14 @@ double Reducer::now_s() const {
 
 // ---- iteration ----
 
+void Reducer::clear_destinations() {
+  if (!destinations_set_) return;
+  for (auto& p : params_) autograd::set_grad_destination(p.tensor, Tensor());
+  destinations_set_ = false;
+}
+
 void Reducer::reset_iteration() {
+  clear_destinations();
   std::fill(ready_.begin(), ready_.end(), 0);
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
   for (auto& b : buckets_) {
@@ -238,6 +246,12 @@ void Reducer::prepare_for_backward(bool sync, const Tensor& output) {
   expect_backward_ = true;
   sync_ = sync;
   if (!sync || options_.deterministic) return;
+  // A gradient that this backward creates (grad() none) is produced in its slot by the op that
+  // computes it where the op can (autograd gradient destinations): no copy into the bucket.
+  if (reads_slots()) {
+    for (size_t i = 0; i < params_.size(); ++i) autograd::set_grad_destination(params_[i].tensor, slot(static_cast<int64_t>(i)));
+    destinations_set_ = true;
+  }
   const bool traverse = options_.find_unused_parameters || (options_.static_graph && !static_known_);
   if (options_.static_graph && static_known_) {
     unused_ = static_unused_;
@@ -352,6 +366,7 @@ void Reducer::finalize() {
   backward_end_s_ = now_s();
   expect_backward_ = false;
   finalize_queued_ = false;
+  clear_destinations();  // before the buckets may move (replace_bucket_memory): no stale offers
   if (!sync_) return;
   // Parameters that got a gradient in the no_sync passes of this step count as used here.
   std::vector<char> used_before(params_.size(), 0);
@@ -424,8 +439,11 @@ void Reducer::finalize() {
       if (!reads_slots()) continue;  // grad() already is the result
       Tensor s = slot(i);
       Tensor g = p.tensor.grad();
+      const bool in_slot = g.defined() && g.storage() == s.storage() && g.offset() == s.offset();
       if (options_.gradient_as_bucket_view) {
-        if (!(g.defined() && g.storage() == s.storage() && g.offset() == s.offset())) p.tensor.set_grad(s);
+        if (!in_slot) p.tensor.set_grad(s);
+      } else if (in_slot) {
+        handed_over = true;  // produced in its slot (gradient destination): it keeps the memory
       } else if (g.defined() && !(g.impl_ptr().use_count() == 2 && g.storage().use_count() == 1)) {
         g.copy_(s);  // also referenced elsewhere: keep its identity
       } else {

@@ -8,9 +8,12 @@
 // rebuilt once in the order gradients actually became ready (rank 0's order, broadcast, so every
 // rank has the same layout).
 //
-// Iteration. A post-accumulate-grad hook on every parameter copies its gradient into its bucket
-// slot (or, with gradient_as_bucket_view, makes grad() a view of the slot) and decrements the
-// bucket's pending count. A bucket whose count reaches zero is launched asynchronously — in bucket
+// Iteration. Each slot is its parameter's gradient destination (autograd, node.h) during a
+// synchronized backward: an op that creates the gradient (linear's weight GEMM, autocast's cast
+// back to f32) writes it straight into the slot. A post-accumulate-grad hook on every parameter
+// copies its gradient into its bucket slot unless it already lies there (or, with
+// gradient_as_bucket_view, makes grad() a view of the slot) and decrements the bucket's pending
+// count. A bucket whose count reaches zero is launched asynchronously — in bucket
 // order, so every rank issues the same collectives in the same order — while backward continues.
 // A callback queued on the autograd engine runs when backward ends: it waits for every bucket,
 // and puts the averaged values into grad(): a gradient that only its parameter holds is replaced
@@ -84,6 +87,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The layout: bucket b holds these parameter indices (into the constructor's list), in order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<int64_t> bucket_sizes_bytes() const;
+  // Bucket b's flat buffer as it is now (tests: where gradients lie).
+  Tensor bucket_buffer(int64_t b) const { return buckets_.at(static_cast<size_t>(b)).flat; }
   const std::vector<BucketTiming>& last_timings() const { return timings_; }
   // Whether the one-time rebuild after the first iteration happened.
   bool buckets_rebuilt() const { return rebuilt_; }
@@ -136,6 +141,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finalize();
   void finalize_deterministic();
   void reset_iteration();
+  void clear_destinations();  // the parameters' gradient destinations (set by prepare_for_backward)
   double now_s() const;
 
   std::vector<Param> params_;
@@ -149,6 +155,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool sync_ = true;
   bool finalize_queued_ = false;
   bool local_only_ = false;        // world size 1, default hook: no collective, no bucket copies
+  bool destinations_set_ = false;  // the parameters' slots are their gradient destinations
   std::vector<char> ready_;
   std::vector<char> locally_used_;
   // Got a gradient in a no_sync backward since the last synchronized one: counts as locally used
