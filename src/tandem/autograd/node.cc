@@ -39,7 +39,7 @@ Tensor take_output_destination(size_t edge, const Shape& shape, DType dtype) {
   std::vector<Tensor>* o = offers;
   if (o == nullptr || edge >= o->size() || !(*o)[edge].defined()) return {};
   Tensor d = std::move((*o)[edge]);
-  if (d.shape() != shape || d.dtype() != dtype || !d.is_contiguous()) return {};
+  if (d.shape() != shape || d.dtype() != dtype) return {};  // contiguous: set_grad_destination checked
   return d;
 }
 
@@ -70,8 +70,9 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
       // of the same op may have received this very tensor. A gradient produced in the leaf's
       // destination (set_grad_destination) is adopted as it is.
       const Tensor& dest = meta.grad_destination;
+      // (dest has the leaf's shape, as g was checked to have, and is contiguous.)
       const bool in_destination = dest.defined() && g.storage() == dest.storage() && g.offset() == dest.offset() &&
-                                  g.shape() == dest.shape() && g.dtype() == dest.dtype() && g.is_contiguous();
+                                  g.dtype() == dest.dtype() && g.is_contiguous();
       const bool exclusive = g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.is_contiguous();
       Tensor owned = in_destination || exclusive ? g.detach() : g.clone();
       if (owned.dtype() != leaf.dtype()) owned = owned.to(leaf.dtype());

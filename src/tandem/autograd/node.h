@@ -109,7 +109,7 @@ class FunctionNode : public Node {
 };
 
 // ---- gradient destinations ----
-// A leaf may name a buffer of its own shape and dtype where its next gradient is to be produced
+// A leaf may name a contiguous buffer of its own shape and dtype (else ValueError) where its next gradient is produced
 // (DDP: the parameter's slot in its communication bucket). While that leaf has no grad() and its
 // gradient comes from a single edge, the engine offers the buffer to the node producing it; a
 // node's backward that takes the offer writes its result there and returns it, and

@@ -249,7 +249,7 @@ Tensor Tensor::to(DType target) const {
     record("ToCopyBackward", {*this}, {out}, [src](const std::vector<Tensor>& g) {
       // Converted straight into the source's gradient destination when one is offered (the f32
       // parameter's DDP bucket slot under autocast).
-      if (Tensor d = autograd::take_output_destination(0, g[0].shape(), src); d.defined() && g[0].dtype() != src) {
+      if (Tensor d = autograd::take_output_destination(0, g[0].shape(), src); d.defined()) {
         kernels::copy_into(d, g[0]);
         return std::vector<Tensor>{d};
       }

@@ -63,6 +63,11 @@ void tree_sum(const std::vector<const float*>& leaves, size_t l, size_t r, int64
   for (int64_t i = 0; i < n; ++i) out[i] += right[static_cast<size_t>(i)];
 }
 
+// Whether gradient `g` is (a tensor over) slot `s` itself: the same memory, not a copy.
+bool lies_in(const Tensor& g, const Tensor& s) {
+  return g.defined() && g.storage() == s.storage() && g.offset() == s.offset();
+}
+
 }  // namespace
 
 // ---- construction ----
@@ -312,7 +317,7 @@ void Reducer::grad_into_slot(int64_t param) {
   NoGradGuard no_grad;
   if (!g.defined()) {
     s.zero_();
-  } else if (!(g.storage() == s.storage() && g.offset() == s.offset())) {
+  } else if (!lies_in(g, s)) {
     s.copy_(g);
     if (options_.gradient_as_bucket_view) p.tensor.set_grad(s);
   }
@@ -439,7 +444,7 @@ void Reducer::finalize() {
       if (!reads_slots()) continue;  // grad() already is the result
       Tensor s = slot(i);
       Tensor g = p.tensor.grad();
-      const bool in_slot = g.defined() && g.storage() == s.storage() && g.offset() == s.offset();
+      const bool in_slot = lies_in(g, s);
       if (options_.gradient_as_bucket_view) {
         if (!in_slot) p.tensor.set_grad(s);
       } else if (in_slot) {
