@@ -51,7 +51,23 @@ echo
 
 out="$(mktemp)"
 pairout="$(mktemp)"
-trap 'rm -f "$out" "$pairout"' EXIT
+torch_err="$(mktemp)"
+trap 'rm -f "$out" "$pairout" "$torch_err"' EXIT
+# One PyTorch run. torch_ddp_step.py picks a free port and closes it before gloo binds it, so
+# another process can take it in between (seen once in a whole table): a failed run is retried
+# once, and a second failure prints PyTorch's error and stops the table.
+torch_run() {
+  local attempt
+  for attempt in 1 2; do
+    if "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$1" --dtype "$2" --nproc "$3" \
+         --seconds "$seconds" 2>"$torch_err"; then
+      return 0
+    fi
+    echo "run_ddp_bench.sh: PyTorch $1 $2 ${3}p failed (attempt $attempt of 2):" >&2
+    tail -n 5 "$torch_err" >&2
+  done
+  return 1
+}
 for ((r = 1; r <= rounds; ++r)); do
   for w in "${workloads[@]}"; do
     for d in "${dtypes[@]}"; do
@@ -59,8 +75,7 @@ for ((r = 1; r <= rounds; ++r)); do
         echo "round $r/$rounds: $w $d ${n}p tandem ..." >&2
         "$bench_bin" --workload "$w" --dtype "$d" --nproc "$n" --seconds "$seconds" >>"$out"
         echo "round $r/$rounds: $w $d ${n}p torch ..." >&2
-        "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$w" --dtype "$d" --nproc "$n" \
-          --seconds "$seconds" >>"$out" 2>/dev/null
+        torch_run "$w" "$d" "$n" >>"$out"
       done
       if [[ "$pair" = 1 ]]; then
         echo "round $r/$rounds: $w $d pair (two 1p runs at once) tandem, torch ..." >&2
