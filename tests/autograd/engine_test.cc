@@ -354,14 +354,20 @@ Tensor param(int64_t rows, int64_t cols, uint64_t seed) {
   return t;
 }
 
-// The same leaf's gradient of sum(linear(x, w) * k) computed without a destination, on a copy.
-Tensor plain_grad(const Tensor& x, const Tensor& w, bool bf16) {
-  Tensor w2 = w.detach().clone();
+// The same leaf's gradient of sum(linear(x, w) * k) computed without a destination and without
+// any cast in the graph: for bf16, on a bf16 leaf holding w's bf16 values, whose gradient is then
+// widened to f32 by hand (what the cast's backward computes).
+Tensor plain_grad(const Tensor& x, const Tensor& w, bool bf16, int uses = 1) {
+  Tensor w2 = bf16 ? w.detach().to(td::kBFloat16) : w.detach().clone();
   w2.requires_grad_(true);
   const Tensor xx = bf16 ? x.to(td::kBFloat16) : x;
-  const Tensor ww = bf16 ? w2.to(td::kBFloat16) : w2;
-  sum(td::ops::linear(xx, ww, Tensor()).to(td::kFloat32) * 0.5).backward();
-  return w2.grad();
+  Tensor loss;
+  for (int u = 0; u < uses; ++u) {
+    Tensor l = sum(td::ops::linear(xx, w2, Tensor()).to(td::kFloat32) * 0.5);
+    loss = loss.defined() ? loss + l : l;
+  }
+  loss.backward();
+  return bf16 ? w2.grad().to(td::kFloat32) : w2.grad();
 }
 
 }  // namespace
@@ -432,4 +438,89 @@ TEST(GradDestination, OnlyOfferedForAFreshGradientFromOneEdge) {
   Tensor w = param(5, 3, 4);
   EXPECT_THROW(td::autograd::set_grad_destination(w, td::zeros({3, 5}, td::kFloat32)), td::ValueError);
   EXPECT_THROW(td::autograd::set_grad_destination(w, td::zeros({5, 3}, td::kFloat64)), td::ValueError);
+}
+
+// Rounded destinations: the bf16 gradient of a bf16 copy of an f32 leaf (autocast's weight cast)
+// is produced by linear's weight GEMM already widened to f32 (rounded to bf16 in the GEMM's
+// epilogue), into the leaf's destination or, without one, a new f32 tensor; the cast back passes
+// it through. Bit for bit the bf16 product widened by hand; shapes with partial 16/32 blocks, with
+// a bias (whose gradient takes the ordinary cast back), explicitly and under autocast.
+TEST(GradDestination, CastBackGradientIsProducedWidenedInOnePass) {
+  for (bool with_dest : {true, false}) {
+    for (bool autocast : {false, true}) {
+      SCOPED_TRACE(std::string(with_dest ? "destination" : "no destination") +
+                   (autocast ? ", autocast" : ", explicit cast"));
+      Tensor x = param(19, 45, 5).detach();
+      Tensor w = param(37, 45, 6);
+      Tensor b = param(1, 37, 7).view({37}).detach();
+      b.requires_grad_(true);
+      Tensor dest = td::zeros({37, 45}, td::kFloat32);
+      if (with_dest) td::autograd::set_grad_destination(w, dest);
+      const int64_t taken = td::autograd::detail::rounded_destinations_taken();
+      Tensor y;
+      if (autocast) {
+        td::amp::autocast ac(td::kBFloat16);
+        y = td::ops::linear(x, w, b);
+      } else {
+        y = td::ops::linear(x.to(td::kBFloat16), w.to(td::kBFloat16), b.to(td::kBFloat16));
+      }
+      ASSERT_EQ(y.dtype(), td::kBFloat16);
+      sum(y.to(td::kFloat32) * 0.5).backward();
+      EXPECT_EQ(td::autograd::detail::rounded_destinations_taken(), taken + 1);
+      ASSERT_TRUE(w.grad().defined());
+      EXPECT_EQ(w.grad().dtype(), td::kFloat32);
+      if (with_dest) EXPECT_EQ(w.grad().data_ptr(), dest.data_ptr()) << "not produced in its destination";
+      EXPECT_EQ(w.grad().to_vector(), plain_grad(x, w, true).to_vector());
+      EXPECT_TRUE(b.grad().defined());
+      EXPECT_EQ(b.grad().dtype(), td::kFloat32);
+      td::autograd::set_grad_destination(w, Tensor());
+    }
+  }
+}
+
+// No rounded offer where the narrow gradient itself is needed: a bf16 copy used twice (its
+// gradients are summed in bf16 first, as PyTorch's autocast cache does), a hook on the copy
+// (it must see the bf16 gradient), a leaf that already has a grad() (accumulated as before), and
+// create_graph. The gradients are those of the plain graph in every case.
+TEST(GradDestination, NoRoundedOfferWhereTheNarrowGradientIsNeeded) {
+  Tensor x = param(9, 20, 8).detach();
+  const Tensor xb = x.to(td::kBFloat16);
+  auto loss_of = [&](const Tensor& wb) { return sum(td::ops::linear(xb, wb, Tensor()).to(td::kFloat32) * 0.5); };
+  {
+    Tensor w = param(11, 20, 9);
+    const int64_t taken = td::autograd::detail::rounded_destinations_taken();
+    const Tensor wb = w.to(td::kBFloat16);
+    (loss_of(wb) + loss_of(wb)).backward();
+    EXPECT_EQ(td::autograd::detail::rounded_destinations_taken(), taken);
+    EXPECT_EQ(w.grad().to_vector(), plain_grad(x, w, true, 2).to_vector());
+  }
+  {
+    Tensor w = param(11, 20, 9);
+    const int64_t taken = td::autograd::detail::rounded_destinations_taken();
+    const Tensor wb = w.to(td::kBFloat16);
+    td::DType seen = td::kFloat64;
+    wb.register_hook([&](const Tensor& g) {
+      seen = g.dtype();
+      return Tensor();
+    });
+    loss_of(wb).backward();
+    EXPECT_EQ(td::autograd::detail::rounded_destinations_taken(), taken);
+    EXPECT_EQ(seen, td::kBFloat16);
+    EXPECT_EQ(w.grad().to_vector(), plain_grad(x, w, true).to_vector());
+  }
+  {
+    Tensor w = param(11, 20, 9);
+    w.set_grad(td::ones({11, 20}, td::kFloat32));
+    const int64_t taken = td::autograd::detail::rounded_destinations_taken();
+    loss_of(w.to(td::kBFloat16)).backward();
+    EXPECT_EQ(td::autograd::detail::rounded_destinations_taken(), taken);
+    EXPECT_EQ(w.grad().to_vector(), (plain_grad(x, w, true) + 1.0).to_vector());
+  }
+  {
+    Tensor w = param(11, 20, 9);
+    const int64_t taken = td::autograd::detail::rounded_destinations_taken();
+    loss_of(w.to(td::kBFloat16)).backward(Tensor(), false, true);
+    EXPECT_EQ(td::autograd::detail::rounded_destinations_taken(), taken);
+    EXPECT_EQ(w.grad().to_vector(), plain_grad(x, w, true).to_vector());
+  }
 }

@@ -7,6 +7,7 @@
 // adds half a bf16 ulp of the result (at most 2^-8 relative). A wrong index or a dropped pair is off by
 // a whole product, far outside this. Skipped where the CPU has no AMX-BF16.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -217,6 +218,30 @@ TEST_F(AmxGemm, GemmOnBf16TensorsMatchesF64) {
       }
     }
   }
+}
+
+// gemm_into_rounded_bf16 (the AMX epilogue's rounding, f32 c) holds bit for bit what the bf16
+// product converted to f32 holds: batched and broadcast, either operand transposed, shapes with
+// partial tiles and blocks. Not skipped without AMX: there it checks the bf16-product fallback.
+TEST(GemmRounded, EqualsTheBf16ProductWidened) {
+  Generator gen(6);
+  for (auto [Bn, M, K, N] : {std::array<int64_t, 4>{1, 19, 45, 37}, {2, 33, 70, 50}, {1, 128, 64, 96}, {1, 7, 1, 3}}) {
+    SCOPED_TRACE(::testing::Message() << Bn << " x " << M << " x " << K << " x " << N);
+    const Tensor a_rm = randn({Bn, M, K}, kFloat32, &gen).to(kBFloat16);
+    const Tensor a_t = randn({Bn, K, M}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
+    const Tensor b_rm = randn({1, K, N}, kFloat32, &gen).to(kBFloat16);
+    const Tensor b_t = randn({1, N, K}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
+    for (const Tensor* a : {&a_rm, &a_t}) {
+      for (const Tensor* b : {&b_rm, &b_t}) {
+        Tensor c = full({Bn, M, N}, 7.0, kFloat32);
+        kernels::gemm_into_rounded_bf16(*a, *b, c);
+        EXPECT_EQ(c.to_vector(), kernels::gemm(*a, *b, Tensor(), kBFloat16).to(kFloat32).to_vector());
+      }
+    }
+  }
+  Tensor wrong = zeros({1, 19, 37}, kBFloat16);
+  EXPECT_THROW(kernels::gemm_into_rounded_bf16(zeros({1, 19, 45}, kBFloat16), zeros({1, 45, 37}, kBFloat16), wrong),
+               DTypeError);
 }
 
 }  // namespace

@@ -41,33 +41,69 @@ void add_into(Tensor& slot, Tensor&& g) {
   }
 }
 
+// Whether the leaf behind `acc` takes its next gradient as it comes: acc's producer is the only
+// one left (deps 1), nothing arrived before it, and the leaf has no grad(). Then its
+// destination (possibly undefined) is in `dest`.
+bool leaf_takes_gradient(AccumulateGrad* acc, const std::unordered_map<Node*, int64_t>& deps,
+                         const std::unordered_map<Node*, std::vector<Tensor>>& buffers, Tensor& dest,
+                         std::shared_ptr<TensorImpl>& leaf) {
+  auto d = deps.find(acc);
+  if (d == deps.end() || d->second != 1) return false;
+  if (auto b = buffers.find(acc); b != buffers.end() && !b->second.empty() && b->second[0].defined()) return false;
+  leaf = acc->leaf().lock();
+  if (!leaf || !leaf->autograd || leaf->autograd->grad.defined()) return false;
+  dest = leaf->autograd->grad_destination;
+  return true;
+}
+
 // The gradient destinations (node.h) to offer node `n`: for each next edge into the
-// AccumulateGrad of a leaf that has a destination and no grad(), where this node is the only
-// producer left and nothing arrived before it. Empty when there is nothing to offer.
-std::vector<Tensor> destination_offers(Node* n, const std::unordered_map<Node*, int64_t>& deps,
-                                       const std::unordered_map<Node*, std::vector<Tensor>>& buffers) {
-  std::vector<Tensor> offers;
+// AccumulateGrad of a leaf that takes its gradient as it comes and has a destination; and,
+// rounded, for each next edge into a widening cast that gets nothing else (deps 1, no gradient
+// yet, no hook on its input) and leads straight to such a leaf (its destination, else a fresh
+// buffer of its shape and dtype). Empty when there is nothing to offer.
+std::vector<detail::DestinationOffer> destination_offers(Node* n, const std::unordered_map<Node*, int64_t>& deps,
+                                                         const std::unordered_map<Node*, std::vector<Tensor>>& buffers) {
+  std::vector<detail::DestinationOffer> offers;
   const auto& edges = n->next_edges();
   for (size_t i = 0; i < edges.size(); ++i) {
-    auto* acc = dynamic_cast<AccumulateGrad*>(edges[i].fn.get());
-    if (acc == nullptr) continue;
-    auto d = deps.find(acc);
-    if (d == deps.end() || d->second != 1) continue;
-    if (auto b = buffers.find(acc); b != buffers.end() && !b->second.empty() && b->second[0].defined()) continue;
-    std::shared_ptr<TensorImpl> leaf = acc->leaf().lock();
-    if (!leaf || !leaf->autograd) continue;
-    const AutogradMeta& meta = *leaf->autograd;
-    if (meta.grad.defined() || !meta.grad_destination.defined()) continue;
+    Node* next = edges[i].fn.get();
+    if (next == nullptr) continue;
+    detail::DestinationOffer offer;
+    Tensor dest;
+    std::shared_ptr<TensorImpl> leaf;
+    if (auto* acc = dynamic_cast<AccumulateGrad*>(next); acc != nullptr) {
+      if (!leaf_takes_gradient(acc, deps, buffers, dest, leaf) || !dest.defined()) continue;
+      offer.buffer = std::move(dest);
+    } else if (next->is_widening_cast() && next->pre_hooks().empty() && next->next_edges().size() == 1) {
+      auto d = deps.find(next);
+      if (d == deps.end() || d->second != 1) continue;
+      if (auto b = buffers.find(next); b != buffers.end() && !b->second.empty() && b->second[0].defined()) continue;
+      auto* acc = dynamic_cast<AccumulateGrad*>(next->next_edges()[0].fn.get());
+      if (acc == nullptr || !leaf_takes_gradient(acc, deps, buffers, dest, leaf)) continue;
+      offer.rounded = true;
+      offer.round_to = next->widening_cast_from();
+      if (dest.defined()) {
+        offer.buffer = std::move(dest);
+      } else {
+        offer.fresh = true;
+        offer.shape = leaf->shape;
+        offer.dtype = leaf->dtype;
+      }
+    } else {
+      continue;
+    }
     offers.resize(edges.size());
-    offers[i] = meta.grad_destination;
+    offers[i] = std::move(offer);
   }
   return offers;
 }
 
 // Makes `offers` (or nothing) the current node's for the duration of its apply().
 struct OfferScope {
-  std::vector<Tensor>* saved;
-  explicit OfferScope(std::vector<Tensor>* o) : saved(detail::offered_destinations()) { detail::offered_destinations() = o; }
+  std::vector<detail::DestinationOffer>* saved;
+  explicit OfferScope(std::vector<detail::DestinationOffer>* o) : saved(detail::offered_destinations()) {
+    detail::offered_destinations() = o;
+  }
   ~OfferScope() { detail::offered_destinations() = saved; }
   OfferScope(const OfferScope&) = delete;
   OfferScope& operator=(const OfferScope&) = delete;
@@ -172,8 +208,9 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
       }
       if (is_accumulator) continue;  // autograd::grad never touches grad()
     }
-    std::vector<Tensor> offers;
-    if (captures == nullptr && !create_graph && !is_accumulator && detail::live_grad_destinations() > 0) {
+    std::vector<detail::DestinationOffer> offers;
+    const bool may_offer = detail::live_grad_destinations() > 0 || detail::live_widening_casts() > 0;
+    if (captures == nullptr && !create_graph && !is_accumulator && may_offer) {
       offers = destination_offers(n, deps, buffers);
     }
     std::vector<Tensor> outputs;

@@ -10,12 +10,16 @@ namespace {
 std::atomic<uint64_t> next_sequence_nr{0};
 thread_local bool grad_enabled = true;
 std::atomic<int64_t> live_destinations{0};
-thread_local std::vector<Tensor>* offers = nullptr;
+std::atomic<int64_t> widening_casts{0};
+std::atomic<int64_t> rounded_taken{0};
+thread_local std::vector<detail::DestinationOffer>* offers = nullptr;
 }  // namespace
 
 namespace detail {
 int64_t live_grad_destinations() { return live_destinations.load(std::memory_order_relaxed); }
-std::vector<Tensor>*& offered_destinations() { return offers; }
+int64_t live_widening_casts() { return widening_casts.load(std::memory_order_relaxed); }
+int64_t rounded_destinations_taken() { return rounded_taken.load(std::memory_order_relaxed); }
+std::vector<DestinationOffer>*& offered_destinations() { return offers; }
 }  // namespace detail
 
 void set_grad_destination(const Tensor& leaf, Tensor destination) {
@@ -35,18 +39,45 @@ void set_grad_destination(const Tensor& leaf, Tensor destination) {
   if (has != had) live_destinations.fetch_add(has ? 1 : -1, std::memory_order_relaxed);
 }
 
+namespace {
+Tensor take_offer(size_t edge, const Shape& shape, DType dtype, bool rounded) {
+  std::vector<detail::DestinationOffer>* o = offers;
+  if (o == nullptr || edge >= o->size()) return {};
+  detail::DestinationOffer& slot = (*o)[edge];
+  if ((!slot.buffer.defined() && !slot.fresh) || slot.rounded != rounded) return {};
+  detail::DestinationOffer d = std::move(slot);
+  slot = {};
+  const Shape& have = d.fresh ? d.shape : d.buffer.shape();
+  const DType produced = rounded ? d.round_to : d.fresh ? d.dtype : d.buffer.dtype();
+  if (have != shape || produced != dtype) return {};
+  if (rounded) rounded_taken.fetch_add(1, std::memory_order_relaxed);
+  // A destination is contiguous (set_grad_destination checked); a fresh buffer is made so.
+  return d.fresh ? empty(d.shape, d.dtype) : d.buffer;
+}
+}  // namespace
+
 Tensor take_output_destination(size_t edge, const Shape& shape, DType dtype) {
-  std::vector<Tensor>* o = offers;
-  if (o == nullptr || edge >= o->size() || !(*o)[edge].defined()) return {};
-  Tensor d = std::move((*o)[edge]);
-  if (d.shape() != shape || d.dtype() != dtype) return {};  // contiguous: set_grad_destination checked
-  return d;
+  return take_offer(edge, shape, dtype, false);
+}
+
+Tensor take_rounded_output_destination(size_t edge, const Shape& shape, DType dtype) {
+  return take_offer(edge, shape, dtype, true);
 }
 
 bool is_grad_enabled() { return grad_enabled; }
 void set_grad_enabled(bool enabled) { grad_enabled = enabled; }
 
 Node::Node() : sequence_nr_(next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
+
+Node::~Node() {
+  if (has_widening_from_) widening_casts.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void Node::set_widening_cast_from(DType from) {
+  if (!has_widening_from_) widening_casts.fetch_add(1, std::memory_order_relaxed);
+  has_widening_from_ = true;
+  widening_from_ = from;
+}
 
 AccumulateGrad::AccumulateGrad(std::weak_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
 

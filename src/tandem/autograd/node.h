@@ -33,7 +33,7 @@ struct OutputMeta {
 class Node : public std::enable_shared_from_this<Node> {
  public:
   Node();
-  virtual ~Node() = default;
+  virtual ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
@@ -55,6 +55,14 @@ class Node : public std::enable_shared_from_this<Node> {
   // Hooks on the gradient of forward output `output_nr` (Tensor::register_hook on a non-leaf).
   std::map<int64_t, std::pair<uint32_t, TensorHook>>& pre_hooks() { return pre_hooks_; }
 
+  // A cast's backward that only converts its one incoming gradient, of dtype `from`, exactly to its
+  // input's wider dtype (the bf16 -> f32 cast back of autocast's weight cast): the engine may then
+  // let the node before it produce that gradient already widened, into the destination the cast's
+  // input offers (see take_rounded_output_destination); the cast passes such a gradient through.
+  void set_widening_cast_from(DType from);
+  bool is_widening_cast() const { return has_widening_from_; }
+  DType widening_cast_from() const { return widening_from_; }
+
  protected:
   std::vector<Edge> next_edges_;
   std::vector<OutputMeta> outputs_;
@@ -62,6 +70,8 @@ class Node : public std::enable_shared_from_this<Node> {
  private:
   uint64_t sequence_nr_;
   std::map<int64_t, std::pair<uint32_t, TensorHook>> pre_hooks_;  // handle -> (output_nr, hook)
+  bool has_widening_from_ = false;
+  DType widening_from_ = kFloat32;
 };
 
 // Per-tensor autograd state, held by TensorImpl::autograd.
@@ -123,11 +133,36 @@ void set_grad_destination(const Tensor& leaf, Tensor destination);
 // `shape` and `dtype` (contiguous); else undefined. Each offer is taken at most once.
 Tensor take_output_destination(size_t edge, const Shape& shape, DType dtype);
 
+// Rounded destinations. When next edge `edge` feeds a widening cast (Node::set_widening_cast_from,
+// e.g. autocast's bf16 copy of an f32 parameter) that gets no other gradient, and the cast's own
+// input is a leaf that would take the gradient as it comes (no grad() yet, one edge), the engine
+// offers the leaf's buffer here instead: its destination if it has one, else a new tensor of the
+// leaf's shape and dtype (made when taken). A node that would produce a gradient of `shape` and
+// dtype `dtype` (the cast's `from`) may take it: it writes its result rounded to `dtype` and
+// stored widened in the buffer's dtype (bit for bit the cast's output), and returns the buffer as
+// that edge's gradient; the cast passes it through and the leaf adopts it, so the narrow gradient
+// and the conversion pass are never made. Undefined when there is no such offer.
+Tensor take_rounded_output_destination(size_t edge, const Shape& shape, DType dtype);
+
 namespace detail {
-// How many leaves have a destination set (the engine skips the search when none has).
+// How many leaves have a destination set and how many widening-cast nodes exist (the engine skips
+// the search when both are 0).
 int64_t live_grad_destinations();
+int64_t live_widening_casts();
+// How many rounded offers this process's backward passes have handed out (tests).
+int64_t rounded_destinations_taken();
+// One offer: the buffer (or, when `fresh`, the shape and dtype of a new one, made when taken),
+// and for a rounded offer the dtype its values must be rounded to.
+struct DestinationOffer {
+  Tensor buffer;
+  bool rounded = false;
+  DType round_to = kFloat32;
+  bool fresh = false;
+  Shape shape;
+  DType dtype = kFloat32;
+};
 // The offers for the node being applied on this thread (one per next edge), or null.
-std::vector<Tensor>*& offered_destinations();
+std::vector<DestinationOffer>*& offered_destinations();
 }  // namespace detail
 
 // ---- helpers used by ops ----

@@ -131,6 +131,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
         Tensor c = d.view({1, outf, w.size(1)});
         kernels::gemm_into(g2.t().unsqueeze(0), x2.unsqueeze(0), Tensor(), c);
         grads[1] = d;
+      } else if (Tensor r = g2.dtype() == kBFloat16 ? autograd::take_rounded_output_destination(1, w.shape(), kBFloat16)
+                                                    : Tensor();
+                 r.defined()) {
+        // Autocast's bf16 copy of an f32 weight: the bf16 product is written widened into the
+        // f32 weight's destination in one pass, and the cast back passes it through.
+        Tensor c = r.view({1, outf, w.size(1)});
+        kernels::gemm_into_rounded_bf16(g2.t().unsqueeze(0), x2.unsqueeze(0), c);
+        grads[1] = r;
       } else {
         grads[1] = mm_raw(g2.t(), x2);
       }

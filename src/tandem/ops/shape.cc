@@ -246,15 +246,23 @@ Tensor Tensor::to(DType target) const {
   kernels::copy_into(out, *this);
   if (is_floating(target)) {
     const DType src = dtype();
-    record("ToCopyBackward", {*this}, {out}, [src](const std::vector<Tensor>& g) {
+    const bool recorded = record("ToCopyBackward", {*this}, {out}, [src](const std::vector<Tensor>& g) {
       // Converted straight into the source's gradient destination when one is offered (the f32
       // parameter's DDP bucket slot under autocast).
-      if (Tensor d = autograd::take_output_destination(0, g[0].shape(), src); d.defined()) {
+      Tensor d = autograd::take_output_destination(0, g[0].shape(), src);
+      // Already widened: the node before took the rounded offer (node.h) and wrote into d.
+      if (g[0].dtype() == src && (!d.defined() || g[0].data_ptr() == d.data_ptr())) return std::vector<Tensor>{g[0]};
+      if (d.defined()) {
         kernels::copy_into(d, g[0]);
         return std::vector<Tensor>{d};
       }
       return std::vector<Tensor>{g[0].to(src)};
     });
+    // Narrowing f32 -> bf16: the backward widens exactly, so the producer of the bf16 gradient
+    // may write it widened into the f32 source's destination (rounded destinations, node.h).
+    if (recorded && src == kFloat32 && target == kBFloat16) {
+      out.impl().autograd->grad_fn->set_widening_cast_from(kBFloat16);
+    }
   }
   return out;
 }

@@ -228,8 +228,10 @@ TANDEM_AMX inline __m256i to_bf16(__m512 x) {
 }
 
 // Writes rows x cols of the f32 block s (row stride 32) to c: + bias, + old c, rounded once.
+// `round_bf16` (f32 c only): the result is rounded to bf16 as above and stored widened back to
+// f32, bit for bit what a bf16 c converted to f32 afterwards holds.
 TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const float* bias, bool accumulate, void* c,
-                            bool c_bf16, int64_t ldc) {
+                            bool c_bf16, bool round_bf16, int64_t ldc) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < 2 && 16 * h < cols; ++h) {
       const __mmask16 m = mask16(cols - 16 * h);
@@ -242,6 +244,7 @@ TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const fl
       } else {
         float* p = static_cast<float*>(c) + r * ldc + 16 * h;
         if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, p));
+        if (round_bf16) v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
         _mm512_mask_storeu_ps(p, m, v);
       }
     }
@@ -261,6 +264,7 @@ struct Problem {
   bool accumulate;
   void* c;
   bool c_bf16;
+  bool round_bf16;  // f32 c holding bf16-rounded values (write_block)
   int64_t ldc;
 };
 
@@ -327,7 +331,7 @@ TANDEM_AMX void compute_blocks(const Problem& pr, int64_t mb_lo, int64_t mb_hi) 
       const uint16_t* panel = pr.b_packed + j * pr.Kp * kBlock;
       char* cblock = static_cast<char*>(pr.c) + (m0 * pr.ldc + n0) * esize;
       // Full f32 blocks without bias go straight between the tiles and c.
-      const bool direct = !pr.c_bf16 && pr.bias == nullptr && rows == kBlock && cols == kBlock;
+      const bool direct = !pr.c_bf16 && !pr.round_bf16 && pr.bias == nullptr && rows == kBlock && cols == kBlock;
       float* target = direct ? reinterpret_cast<float*>(cblock) : scratch;
       const int64_t ld = direct ? pr.ldc : kBlock;
       if (direct && pr.accumulate) load_accumulators(target, ld);
@@ -336,7 +340,7 @@ TANDEM_AMX void compute_blocks(const Problem& pr, int64_t mb_lo, int64_t mb_hi) 
       store_accumulators(target, ld);
       if (!direct) {
         write_block(scratch, rows, cols, pr.bias != nullptr ? pr.bias + n0 : nullptr, pr.accumulate, cblock, pr.c_bf16,
-                    pr.ldc);
+                    pr.round_bf16, pr.ldc);
       }
     }
   }
@@ -355,8 +359,8 @@ bool amx_bf16_usable() {
 namespace {
 
 void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
-              const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16, int64_t ldc,
-              bool threaded) {
+              const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16, bool round_bf16,
+              int64_t ldc, bool threaded) {
   TANDEM_CHECK(amx_bf16_usable(), Error, "amx_gemm_bf16: this CPU or kernel offers no AMX-BF16 tiles");
   TANDEM_CHECK((transa == 'N' || transa == 'T') && (transb == 'N' || transb == 'T'), ValueError,
                "amx_gemm_bf16: transa/transb must be 'N' or 'T', got '{}' '{}'", transa, transb);
@@ -386,7 +390,7 @@ void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const u
       });
     }
     const Problem pr{M,  nc, K, Kp, transa, a, lda, transa == 'N' && K % kTileK == 0, bp, bias != nullptr ? bias + n0 : nullptr,
-                     accumulate, static_cast<char*>(c) + n0 * esize, c_bf16, ldc};
+                     accumulate, static_cast<char*>(c) + n0 * esize, c_bf16, round_bf16 && !c_bf16, ldc};
     // Keeps the compiler from moving the packing stores past the tile loads (the tile intrinsics
     // are asm statements that do not declare the memory they read).
     __asm__ __volatile__("" ::: "memory");
@@ -419,15 +423,15 @@ bool amx_bf16_enabled() {
 
 void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                    const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
-                   int64_t ldc) {
+                   int64_t ldc, bool round_bf16) {
   const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(std::max<int64_t>(M, 0)) *
                                                 static_cast<double>(std::max<int64_t>(N, 0) * K));
-  run_gemm(transa, transb, M, N, K, a, lda, b, ldb, bias, accumulate, c, c_bf16, ldc, true);
+  run_gemm(transa, transb, M, N, K, a, lda, b, ldb, bias, accumulate, c, c_bf16, round_bf16, ldc, true);
 }
 
 void amx_tile_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                         const uint16_t* b, int64_t ldb, bool accumulate, void* c, bool c_bf16, int64_t ldc) {
-  run_gemm(transa, transb, M, N, K, a, lda, b, ldb, nullptr, accumulate, c, c_bf16, ldc, false);
+  run_gemm(transa, transb, M, N, K, a, lda, b, ldb, nullptr, accumulate, c, c_bf16, false, ldc, false);
 }
 
 }  // namespace tandem::kernels

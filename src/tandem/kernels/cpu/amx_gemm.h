@@ -33,11 +33,14 @@ bool amx_bf16_enabled();
 // accumulator over k in order; like oneDNN's AMX kernels, the tile product reads subnormal bf16
 // inputs as zero and flushes subnormal sums); bias (f32, N values, or null) and the old c are added to that sum
 // and the result is written once: f32, or bf16 rounded to nearest-even (subnormals included, bit
-// for bit as core/convert.h) when c_bf16 (bf16 c is read as bf16 when accumulating). Requires
-// amx_bf16_usable(). Splits blocks of 32 rows of C across the intra-op thread pool.
+// for bit as core/convert.h) when c_bf16 (bf16 c is read as bf16 when accumulating). With
+// `round_bf16` an f32 c receives that same bf16 rounding, stored widened back to f32: the values
+// a bf16 c converted to f32 would hold, in one pass (a bf16 gradient cast back to its f32
+// parameter's dtype). Requires amx_bf16_usable(). Splits blocks of 32 rows of C across the
+// intra-op thread pool.
 void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                    const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
-                   int64_t ldc);
+                   int64_t ldc, bool round_bf16 = false);
 
 // The same product (no bias) for kernels that tile their own loops (attention): runs on the
 // calling thread only and outside the GEMM kernel timer.

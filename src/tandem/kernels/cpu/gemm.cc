@@ -164,9 +164,10 @@ void gemm_f32(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
   }
 }
 
-// bf16 operands on AMX tiles, one call per batch entry; f32 or bf16 c. Operands without a
-// unit-stride dim take gemm_dnnl.
-void gemm_bf16_amx(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
+// bf16 operands on AMX tiles, one call per batch entry; f32 or bf16 c (an f32 c rounded through
+// bf16 when `round_bf16`). Operands without a unit-stride dim take gemm_dnnl (never with
+// round_bf16: gemm_into_rounded_bf16 only comes here with unit-stride operands).
+void gemm_bf16_amx(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c, bool round_bf16 = false) {
   const int64_t B = c.size(0), M = c.size(1), N = c.size(2), K = a.size(2);
   const BlasOperand oa = blas_operand(M, K, a.stride(1), a.stride(2));
   const BlasOperand ob = blas_operand(K, N, b.stride(1), b.stride(2));
@@ -180,7 +181,7 @@ void gemm_bf16_amx(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor&
   char* pc = static_cast<char*>(c.data_ptr());
   for (int64_t i = 0; i < B; ++i) {
     amx_gemm_bf16(oa.trans, ob.trans, M, N, K, pa + i * sab, oa.ld, pb + i * sbb, ob.ld, pbias, false,
-                  pc + i * M * N * (c_bf16 ? 2 : 4), c_bf16, N);
+                  pc + i * M * N * (c_bf16 ? 2 : 4), c_bf16, N, round_bf16);
   }
 }
 
@@ -243,6 +244,22 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
     default:
       throw DTypeError(fmt::format("matmul: expected a floating-point dtype, got {}", dtype_name(a.dtype())));
   }
+}
+
+void gemm_into_rounded_bf16(const Tensor& a, const Tensor& b, Tensor& c) {
+  check_operands(a, b, Tensor(), c);
+  TANDEM_CHECK(a.dtype() == kBFloat16 && c.dtype() == kFloat32 && c.is_contiguous() && c.dim() == 3 &&
+                   c.size(0) == std::max(a.size(0), b.size(0)) && c.size(1) == a.size(1) && c.size(2) == b.size(2),
+               DTypeError,
+               "gemm_into_rounded_bf16: expected bf16 operands and a contiguous f32 (B, M, N) output, got {} operands "
+               "and a {} {} output",
+               dtype_name(a.dtype()), dtype_name(c.dtype()), shape_str(c.shape()));
+  if (c.numel() == 0) return;
+  const bool unit = blas_operand(a.size(1), a.size(2), a.stride(1), a.stride(2)).trans != 0 &&
+                    blas_operand(b.size(1), b.size(2), b.stride(1), b.stride(2)).trans != 0;
+  if (a.size(2) > 0 && amx_bf16_enabled() && unit) return gemm_bf16_amx(a, b, Tensor(), c, true);
+  Tensor r = gemm(a, b, Tensor(), kBFloat16);
+  convert(r.data_ptr(), kBFloat16, c.data_ptr(), kFloat32, c.numel());
 }
 
 void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,

@@ -17,6 +17,14 @@ Tensor gemm(const Tensor& a, const Tensor& b, const Tensor& bias, DType out_dtyp
 // The GFLOP/s-relevant part only: c = a @ b into a preallocated contiguous c (used by benches).
 void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c);
 
+// c = f32(bf16(a @ b)) for bf16 a and b_ and a preallocated contiguous f32 c of (B, M, N): the
+// product rounded once to bf16 (as gemm(a, b_, {}, bf16) gives) and stored widened to f32, the
+// values that product converted to f32 holds. On the AMX kernel in one pass (the rounding in its
+// epilogue); elsewhere through a bf16 product and a conversion. For a bf16 gradient produced
+// straight into the f32 buffer of the parameter it is cast back to (autograd's rounded
+// destinations, node.h).
+void gemm_into_rounded_bf16(const Tensor& a, const Tensor& b, Tensor& c);
+
 // Raw row-major f32 BLAS-style product on the calling thread's oneDNN:
 //   c (M x N, row stride ldc) = op(a) @ op(b) + beta * c,
 // where op(x) is x ('N') or its transpose ('T'), and lda/ldb are the row strides of a and b as
