@@ -4,11 +4,19 @@
 # bench_defaults, parses its flags, then calls bench_check_torch, bench_build TARGET (sets
 # bench_bin), bench_env and bench_print_machine.
 
+# The PyTorch yardstick when neither --torch-python nor TORCH_PYTHON names one: the venv that
+# bench/setup-torch.sh makes ($TANDEM_TORCH_VENV, else ~/.local/share/tandem/torch-venv, as
+# bench/compare looks for it), else /work/torchvenv (where earlier sessions kept theirs).
+bench_default_torch_python() {
+  local venv="${TANDEM_TORCH_VENV:-$HOME/.local/share/tandem/torch-venv}"
+  if [[ -x "$venv/bin/python" ]]; then echo "$venv/bin/python"; else echo /work/torchvenv/bin/python; fi
+}
+
 # The repository root and the defaults every driver starts from.
 # shellcheck disable=SC2034  # used by the drivers
 bench_defaults() {
   repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-  torch_python="${TORCH_PYTHON:-/work/torchvenv/bin/python}"
+  torch_python="${TORCH_PYTHON:-$(bench_default_torch_python)}"
   build_dir="${TANDEM_BUILD_DIR:-build}"
   rounds=2
   seconds=3
@@ -22,8 +30,8 @@ bench_check_torch() {
   [[ "$build_dir" = /* ]] || build_dir="$repo/$build_dir"
   if [[ ! -x "$torch_python" ]]; then
     echo "$bench_name: no PyTorch python at '$torch_python'." >&2
-    echo "  Create a venv with PyPI's torch (python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch numpy)" >&2
-    echo "  or point --torch-python / TORCH_PYTHON at one." >&2
+    echo "  Make one with bench/setup-torch.sh (PyPI's torch in a venv outside the repository, where the" >&2
+    echo "  benches look by default) or point --torch-python / TORCH_PYTHON at one." >&2
     exit 1
   fi
   if ! "$torch_python" -c 'import torch' 2>/dev/null; then

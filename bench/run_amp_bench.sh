@@ -7,7 +7,7 @@
 #
 #   bench/run_amp_bench.sh [--torch-python PY] [--build-dir DIR] [--rounds R] [--seconds S] [--rebuild]
 #
-# Defaults as in run_models_bench.sh (torch: $TORCH_PYTHON or /work/torchvenv/bin/python; build
+# Defaults as in run_models_bench.sh (torch: $TORCH_PYTHON or bench/setup-torch.sh's venv; build
 # dir: $TANDEM_BUILD_DIR or build). Each (workload, dtype, side) runs in its own process; the best
 # of R rounds is kept. ONEDNN_VERBOSE=1 on a Tandem run shows which ISA the bf16 GEMMs use
 # (avx512_core_amx on a CPU with AMX). The PyTorch here is a yardstick only; tests never use it.

@@ -6,7 +6,7 @@
 #   bench/run_models_bench.sh [--torch-python PY] [--build-dir DIR] [--rounds R] [--seconds S]
 #                             [--workload cnn|gpt] [--dtype f32|bf16] [--phases] [--rebuild]
 #
-#   --torch-python PY  python with PyPI's torch (default $TORCH_PYTHON, else /work/torchvenv/bin/python)
+#   --torch-python PY  python with PyPI's torch (default $TORCH_PYTHON, else bench/setup-torch.sh's venv)
 #   --build-dir DIR    Tandem build folder (default $TANDEM_BUILD_DIR, else build); the
 #                      models_step_bench target is built there if missing (or with --rebuild)
 #   --rounds R         alternate Tandem and PyTorch R times and keep each one's best round (default 2)
