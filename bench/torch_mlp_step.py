@@ -2,7 +2,7 @@
 """The yardstick for bench/mlp_step.cc: the same workloads in PyTorch, the same JSON lines.
 
 Runs with a PyTorch from PyPI (bench/run_mlp_bench.sh passes --torch-python, by default the venv that
-bench/setup-torch.sh makes it). Never used by tests or CI.
+bench/setup-torch.sh makes). Never used by tests or CI.
 
   torch_mlp_step.py [--threads T] [--batch B] [--seconds S] [--min-steps N] [--warmup W]
                     [--only mlp|gemm] [--dtype f32|bf16|autocast] [--phases]

@@ -2,7 +2,7 @@
 """The yardstick for bench/models_step.cc: the same workloads in PyTorch, the same JSON lines.
 
 Runs with a PyTorch from PyPI (bench/run_models_bench.sh passes --torch-python, by default the venv that
-bench/setup-torch.sh makes it). Never used by tests or CI.
+bench/setup-torch.sh makes). Never used by tests or CI.
 
   torch_models_step.py [--workload cnn|gpt] [--dtype f32|bf16|autocast] [--threads T] [--batch B]
                        [--context T] [--seconds S] [--min-steps N] [--warmup W] [--phases]
