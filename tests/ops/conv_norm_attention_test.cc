@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <optional>
@@ -548,6 +549,70 @@ TEST(LowPrecisionCNA, Bf16MatchesF32WithinOneRounding) {
     const Tensor rm = leaf({24}, -0.5, 0.5, 933, kFloat32).detach(), rv = leaf({24}, 0.5, 2, 934, kFloat32).detach();
     const Tensor e16 = ops::batch_norm(xi16, rm, rv, w16, b16, false), e32 = ops::batch_norm(xi32, rm, rv, w32, b32, false);
     EXPECT_TRUE(all_close(e16, e32, kUBf16, 0)) << "batch_norm eval";
+  }
+}
+
+// bf16 batch_norm (with and without the fused ReLU) is the f32 op on the widened values, rounded
+// once: the kernels read bf16 in place and widen it exactly, so forward output, input gradient
+// (both rounded to bf16 from the f32 result) and the f32 weight and bias gradients must equal the
+// f32 op's bit for bit. Shapes exercise both block kinds: NCHW runs of one channel (C == 1 in the
+// kernels, 42- and 300-element planes: a lane tail and a 256-element run boundary) and
+// channels-last rows (C = 24 and 40: not multiples of the vector width; 168 and 1200 rows: a
+// partial 64-row block). f32 weights, as under autocast.
+TEST(LowPrecisionCNA, Bf16BatchNormIsTheF32OpOnWidenedValuesBitForBit) {
+  struct Case {
+    Shape s;
+    bool cl;
+  };
+  const Case cases[] = {{{4, 24, 7, 6}, false}, {{4, 24, 7, 6}, true}, {{3, 40, 20, 15}, false},
+                        {{4, 40, 20, 15}, true}};
+  uint64_t seed = 940;
+  for (const Case& c : cases) {
+    for (bool relu : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << shape_str(c.s) << (c.cl ? " channels-last" : " NCHW")
+                                        << (relu ? " +relu" : ""));
+      const int64_t C = c.s[1];
+      const Tensor x16 = leaf(c.s, -2, 3, seed++, kBFloat16).detach();
+      const Tensor gy16 = leaf(c.s, -1, 1, seed++, kBFloat16).detach();
+      Tensor xi16 = c.cl ? channels_last(x16) : x16.clone();
+      Tensor xi32 = c.cl ? channels_last(x16.to(kFloat32)) : x16.to(kFloat32);  // same layout, same sums
+      const Tensor gyi = c.cl ? channels_last(gy16) : gy16;
+      xi16.requires_grad_(true);
+      xi32.requires_grad_(true);
+      auto params = [&](uint64_t sd) {
+        Tensor w = leaf({C}, 0.5, 1.5, sd, kFloat32).detach(), b = leaf({C}, -1, 1, sd + 1, kFloat32).detach();
+        w.requires_grad_(true);
+        b.requires_grad_(true);
+        return std::pair<Tensor, Tensor>{w, b};
+      };
+      auto [w16, b16] = params(seed);
+      auto [w32, b32] = params(seed);
+      seed += 2;
+      Tensor rm16 = zeros({C}), rv16 = ones({C}), rm32 = zeros({C}), rv32 = ones({C});
+      auto bn = relu ? ops::batch_norm_relu : ops::batch_norm;
+      const Tensor y16 = bn(xi16, rm16, rv16, w16, b16, true, 0.1, 1e-5);
+      const Tensor y32 = bn(xi32, rm32, rv32, w32, b32, true, 0.1, 1e-5);
+      ASSERT_EQ(y16.dtype(), kBFloat16);
+      auto same_bits = [](const Tensor& a, const Tensor& b) {
+        const Tensor ac = a.contiguous(), bc = b.contiguous();
+        return ac.dtype() == bc.dtype() && ac.shape() == bc.shape() &&
+               std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.nbytes()) == 0;
+      };
+      EXPECT_TRUE(same_bits(y16, y32.to(kBFloat16))) << "forward";
+      EXPECT_TRUE(same_bits(rm16, rm32) && same_bits(rv16, rv32)) << "running statistics";
+      const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gyi.to(kFloat32)))}, {xi16, w16, b16});
+      const V g32 = autograd::grad({ops::sum(ops::mul(y32, gyi.to(kFloat32)))}, {xi32, w32, b32});
+      ASSERT_EQ(g16[0].dtype(), kBFloat16);
+      EXPECT_TRUE(same_bits(g16[0], g32[0].to(kBFloat16))) << "input gradient";
+      EXPECT_TRUE(same_bits(g16[1], g32[1])) << "weight gradient";
+      EXPECT_TRUE(same_bits(g16[2], g32[2])) << "bias gradient";
+      // Not vacuous: the gradient is not all zeros, and the ReLU clips part of the output.
+      EXPECT_GT(ops::max(ops::abs(g32[0])).item(), 0.1);
+      if (relu) {
+        const std::vector<double> y = y32.to_vector();
+        EXPECT_GT(std::count(y.begin(), y.end(), 0.0), static_cast<std::ptrdiff_t>(y.size() / 10));
+      }
+    }
   }
 }
 

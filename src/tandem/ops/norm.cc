@@ -73,7 +73,7 @@ void channel_stats_f64(const T* x, const Layout& l, std::vector<double>& mean, s
   for (auto& v : var) v /= n;
 }
 
-// ---- f32, bf16, f16: blocks of f32 through the vectorised kernels of channel_math.h ----
+// ---- f32, bf16, f16: blocks through the vectorised kernels of channel_math.h ----
 
 // The view in blocks: 64 whole rows of a channels-last (outer, C) view, or runs of up to 256
 // elements of one channel of an NCHW view. Sums are taken in f32 within a block and folded into
@@ -98,10 +98,15 @@ struct Blocks {
   }
 };
 
-// p[base, base + n) as f32: the memory itself for f32, else widened into scratch.
+// What the kernels read for an input stored as T: f32 and bf16 as they are (a bf16 input is
+// widened in the kernels' registers), f16 through an f32 copy of each block.
 template <class T>
-const float* f32_of(const T* p, int64_t base, int64_t n, std::vector<float>& scratch) {
-  if constexpr (std::is_same_v<T, float>) {
+using KernelIn = std::conditional_t<std::is_same_v<T, bfloat16>, bfloat16, float>;
+
+// p[base, base + n) as the kernels read it: the memory itself, or an f16 block widened into scratch.
+template <class T>
+const KernelIn<T>* kernel_in(const T* p, int64_t base, int64_t n, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<T, KernelIn<T>>) {
     return p + base;
   } else {
     convert(p + base, dtype_of<T>::value, scratch.data(), kFloat32, n);
@@ -109,19 +114,20 @@ const float* f32_of(const T* p, int64_t base, int64_t n, std::vector<float>& scr
   }
 }
 
-// Visits every block on the calling thread with its inputs as f32; fn(block, const float*...).
+// Visits every block on the calling thread with its inputs as the kernels read them;
+// fn(block, const KernelIn<T>*...).
 template <class T, class F, class... P>
 void visit_blocks(const Layout& l, F fn, const P*... ins) {
   const Blocks bl{l};
   std::array<std::vector<float>, sizeof...(P)> scratch;
-  if constexpr (!std::is_same_v<T, float>)
+  if constexpr (!std::is_same_v<T, KernelIn<T>>)
     for (auto& s : scratch) s.resize(static_cast<size_t>(bl.max_elems()));
   const int64_t nb = bl.count();
   for (int64_t b = 0; b < nb; ++b) {
     const Blocks::Block k = bl[b];
     const int64_t n = k.rows * k.cols;
     size_t j = 0;  // a braced list evaluates left to right: input i gets scratch i
-    const std::array<const float*, sizeof...(P)> f{f32_of<T>(ins, k.base, n, scratch[j++])...};
+    const std::array<const KernelIn<T>*, sizeof...(P)> f{kernel_in<T>(ins, k.base, n, scratch[j++])...};
     std::apply([&](auto... fp) { fn(k, fp...); }, f);
   }
 }
@@ -141,23 +147,23 @@ void channel_stats(const T* x, const Layout& l, std::vector<double>& mean, std::
       part[k.c + c] = 0.0f;
     }
   };
-  visit_blocks<T>(l, [&](const Blocks::Block& k, const float* xb) {
-    kernels::channel_sum_f32(xb, k.rows, k.cols, part.data() + k.c);
+  visit_blocks<T>(l, [&](const Blocks::Block& k, const KernelIn<T>* xb) {
+    kernels::channel_sum(xb, k.rows, k.cols, part.data() + k.c);
     fold(k, mean);
   }, x);
   for (int64_t c = 0; c < C; ++c) {
     mean[c] /= n;
     mf[c] = static_cast<float>(mean[c]);
   }
-  visit_blocks<T>(l, [&](const Blocks::Block& k, const float* xb) {
-    kernels::channel_sum_sq_dev_f32(xb, k.rows, k.cols, mf.data() + k.c, part.data() + k.c);
+  visit_blocks<T>(l, [&](const Blocks::Block& k, const KernelIn<T>* xb) {
+    kernels::channel_sum_sq_dev(xb, k.rows, k.cols, mf.data() + k.c, part.data() + k.c);
     fold(k, var);
   }, x);
   for (auto& v : var) v /= n;
 }
 
-// out = act(ku[c] * u' + kv[c] * v + k0[c]) over the whole view (see channel_affine_f32), blocks
-// spread over threads; 16-bit outputs rounded once from f32.
+// out = act(ku[c] * u' + kv[c] * v + k0[c]) over the whole view (see kernels::channel_affine),
+// blocks spread over threads; 16-bit outputs rounded once from f32.
 template <class T>
 void channel_affine(const Layout& l, T* out, const T* u, const T* y, const T* v, const std::vector<float>& ku,
                     const std::vector<float>& kv, const std::vector<float>& k0, bool relu) {
@@ -166,22 +172,24 @@ void channel_affine(const Layout& l, T* out, const T* u, const T* y, const T* v,
     std::vector<float> su, sy, sv, so;
     if constexpr (!std::is_same_v<T, float>) {
       const size_t m = static_cast<size_t>(bl.max_elems());
-      su.resize(m);
-      if (y) sy.resize(m);
-      if (v) sv.resize(m);
+      if constexpr (!std::is_same_v<T, KernelIn<T>>) {
+        su.resize(m);
+        if (y) sy.resize(m);
+        if (v) sv.resize(m);
+      }
       so.resize(m);
     }
     for (int64_t b = lo; b < hi; ++b) {
       const Blocks::Block k = bl[b];
       const int64_t n = k.rows * k.cols;
-      const float* fu = f32_of<T>(u, k.base, n, su);
-      const float* fy = y ? f32_of<T>(y, k.base, n, sy) : nullptr;
-      const float* fv = v ? f32_of<T>(v, k.base, n, sv) : nullptr;
+      const KernelIn<T>* fu = kernel_in<T>(u, k.base, n, su);
+      const KernelIn<T>* fy = y ? kernel_in<T>(y, k.base, n, sy) : nullptr;
+      const KernelIn<T>* fv = v ? kernel_in<T>(v, k.base, n, sv) : nullptr;
       float* fo;
       if constexpr (std::is_same_v<T, float>) fo = out + k.base;
       else fo = so.data();
-      kernels::channel_affine_f32(fo, fu, fy, fv, k.rows, k.cols, ku.data() + k.c, kv.data() + k.c, k0.data() + k.c,
-                                  relu);
+      kernels::channel_affine(fo, fu, fy, fv, k.rows, k.cols, ku.data() + k.c, kv.data() + k.c, k0.data() + k.c,
+                              relu);
       if constexpr (!std::is_same_v<T, float>) convert(fo, kFloat32, out + k.base, dtype_of<T>::value, n);
     }
   });
@@ -331,13 +339,13 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                  }
                };
                if (pm) {
-                 visit_blocks<T>(l, [&](const Blocks::Block& k, const float* gb, const float* yb, const float* xb) {
-                   kernels::channel_sum_grad_f32(gb, yb, xb, k.rows, k.cols, mf.data() + k.c, pa.data() + k.c, pb.data() + k.c);
+                 visit_blocks<T>(l, [&](const Blocks::Block& k, const KernelIn<T>* gb, const KernelIn<T>* yb, const KernelIn<T>* xb) {
+                   kernels::channel_sum_grad(gb, yb, xb, k.rows, k.cols, mf.data() + k.c, pa.data() + k.c, pb.data() + k.c);
                    fold(k);
                  }, pg, pm, px);
                } else {
-                 visit_blocks<T>(l, [&](const Blocks::Block& k, const float* gb, const float* xb) {
-                   kernels::channel_sum_grad_f32(gb, nullptr, xb, k.rows, k.cols, mf.data() + k.c, pa.data() + k.c, pb.data() + k.c);
+                 visit_blocks<T>(l, [&](const Blocks::Block& k, const KernelIn<T>* gb, const KernelIn<T>* xb) {
+                   kernels::channel_sum_grad(gb, static_cast<const KernelIn<T>*>(nullptr), xb, k.rows, k.cols, mf.data() + k.c, pa.data() + k.c, pb.data() + k.c);
                    fold(k);
                  }, pg, px);
                }

@@ -5,8 +5,20 @@
 // logits after 5 AdamW steps by 7e-4 of their scale against PyTorch, from 5e-5).
 #pragma GCC optimize("fp-contract=off")
 
+#include <cstring>
+
 namespace tandem::kernels {
 namespace {
+
+// Element i as f32: an f32 input as is, a bf16 one widened exactly (its bits are the top half of
+// the f32's), in registers: the loops below vectorise this into a zero-extend and a shift.
+inline float ld(const float* p, int64_t i) { return p[i]; }
+inline float ld(const bfloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // C == 1 (a run of one NCHW channel): 16 independent partial sums, so the loop vectorises; they
 // are folded at the end of the block.
@@ -14,25 +26,27 @@ constexpr int kLanes = 16;
 
 #define TANDEM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-TANDEM_CLONES void sum_rows(const float* __restrict u, int64_t rows, int64_t C, float* __restrict acc) {
+template <class In>
+TANDEM_CLONES void sum_rows(const In* __restrict u, int64_t rows, int64_t C, float* __restrict acc) {
   if (C == 1) {
     float part[kLanes] = {};
     int64_t i = 0;
     for (; i + kLanes <= rows; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) part[l] += u[i + l];
+      for (int l = 0; l < kLanes; ++l) part[l] += ld(u, i + l);
     float s = 0;
-    for (; i < rows; ++i) s += u[i];
+    for (; i < rows; ++i) s += ld(u, i);
     for (int l = 0; l < kLanes; ++l) s += part[l];
     acc[0] += s;
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = u + r * C;
-    for (int64_t c = 0; c < C; ++c) acc[c] += row[c];
+    const In* row = u + r * C;
+    for (int64_t c = 0; c < C; ++c) acc[c] += ld(row, c);
   }
 }
 
-TANDEM_CLONES void sum_sq_dev_rows(const float* __restrict x, int64_t rows, int64_t C, const float* __restrict m,
+template <class In>
+TANDEM_CLONES void sum_sq_dev_rows(const In* __restrict x, int64_t rows, int64_t C, const float* __restrict m,
                                    float* __restrict acc) {
   if (C == 1) {
     const float mu = m[0];
@@ -40,27 +54,28 @@ TANDEM_CLONES void sum_sq_dev_rows(const float* __restrict x, int64_t rows, int6
     int64_t i = 0;
     for (; i + kLanes <= rows; i += kLanes)
       for (int l = 0; l < kLanes; ++l) {
-        const float d = x[i + l] - mu;
+        const float d = ld(x, i + l) - mu;
         part[l] += d * d;
       }
     float s = 0;
-    for (; i < rows; ++i) s += (x[i] - mu) * (x[i] - mu);
+    for (; i < rows; ++i) s += (ld(x, i) - mu) * (ld(x, i) - mu);
     for (int l = 0; l < kLanes; ++l) s += part[l];
     acc[0] += s;
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * C;
+    const In* row = x + r * C;
     for (int64_t c = 0; c < C; ++c) {
-      const float d = row[c] - m[c];
+      const float d = ld(row, c) - m[c];
       acc[c] += d * d;
     }
   }
 }
 
-// The mask is a select on loaded values, not a branch (about half the lanes are masked, at random).
-template <bool kMask>
-TANDEM_CLONES void sum_grad_rows(const float* __restrict g, const float* __restrict y, const float* __restrict x,
+// The mask is a select on loaded values, not a branch (about half the lanes are masked, at random):
+// g is loaded whatever the mask says, so the loop has no control flow to vectorise around.
+template <bool kMask, class In>
+TANDEM_CLONES void sum_grad_rows(const In* __restrict g, const In* __restrict y, const In* __restrict x,
                                  int64_t rows, int64_t C, const float* __restrict m, float* __restrict sg,
                                  float* __restrict sgx) {
   if (C == 1) {
@@ -69,15 +84,17 @@ TANDEM_CLONES void sum_grad_rows(const float* __restrict g, const float* __restr
     int64_t i = 0;
     for (; i + kLanes <= rows; i += kLanes)
       for (int l = 0; l < kLanes; ++l) {
-        const float gv = kMask ? (y[i + l] > 0.0f ? g[i + l] : 0.0f) : g[i + l];
+        const float gl = ld(g, i + l);
+        const float gv = kMask ? (ld(y, i + l) > 0.0f ? gl : 0.0f) : gl;
         pg[l] += gv;
-        pgx[l] += gv * (x[i + l] - mu);
+        pgx[l] += gv * (ld(x, i + l) - mu);
       }
     float a = 0, b = 0;
     for (; i < rows; ++i) {
-      const float gv = kMask ? (y[i] > 0.0f ? g[i] : 0.0f) : g[i];
+      const float gl = ld(g, i);
+      const float gv = kMask ? (ld(y, i) > 0.0f ? gl : 0.0f) : gl;
       a += gv;
-      b += gv * (x[i] - mu);
+      b += gv * (ld(x, i) - mu);
     }
     for (int l = 0; l < kLanes; ++l) {
       a += pg[l];
@@ -88,27 +105,29 @@ TANDEM_CLONES void sum_grad_rows(const float* __restrict g, const float* __restr
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* gr = g + r * C;
-    const float* yr = kMask ? y + r * C : nullptr;
-    const float* xr = x + r * C;
+    const In* gr = g + r * C;
+    const In* yr = kMask ? y + r * C : nullptr;
+    const In* xr = x + r * C;
     for (int64_t c = 0; c < C; ++c) {
-      const float gv = kMask ? (yr[c] > 0.0f ? gr[c] : 0.0f) : gr[c];
+      const float gl = ld(gr, c);
+      const float gv = kMask ? (ld(yr, c) > 0.0f ? gl : 0.0f) : gl;
       sg[c] += gv;
-      sgx[c] += gv * (xr[c] - m[c]);
+      sgx[c] += gv * (ld(xr, c) - m[c]);
     }
   }
 }
 
-template <bool kMask, bool kV, bool kRelu>
-TANDEM_CLONES void affine_rows(float* __restrict out, const float* __restrict u, const float* __restrict y,
-                               const float* __restrict v, int64_t rows, int64_t C, const float* __restrict ku,
+template <bool kMask, bool kV, bool kRelu, class In>
+TANDEM_CLONES void affine_rows(float* __restrict out, const In* __restrict u, const In* __restrict y,
+                               const In* __restrict v, int64_t rows, int64_t C, const float* __restrict ku,
                                const float* __restrict kv, const float* __restrict k0) {
   if (C == 1) {
     const float a = ku[0], b = kV ? kv[0] : 0.0f, z = k0[0];
     for (int64_t i = 0; i < rows; ++i) {
-      const float uv = kMask ? (y[i] > 0.0f ? u[i] : 0.0f) : u[i];
+      const float ul = ld(u, i);
+      const float uv = kMask ? (ld(y, i) > 0.0f ? ul : 0.0f) : ul;
       float r = a * uv;
-      if constexpr (kV) r += b * v[i];
+      if constexpr (kV) r += b * ld(v, i);
       r += z;
       out[i] = kRelu ? (r > 0.0f ? r : 0.0f) : r;
     }
@@ -117,39 +136,63 @@ TANDEM_CLONES void affine_rows(float* __restrict out, const float* __restrict u,
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t base = row * C;
     for (int64_t c = 0; c < C; ++c) {
-      const float uv = kMask ? (y[base + c] > 0.0f ? u[base + c] : 0.0f) : u[base + c];
+      const float ul = ld(u, base + c);
+      const float uv = kMask ? (ld(y, base + c) > 0.0f ? ul : 0.0f) : ul;
       float r = ku[c] * uv;
-      if constexpr (kV) r += kv[c] * v[base + c];
+      if constexpr (kV) r += kv[c] * ld(v, base + c);
       r += k0[c];
       out[base + c] = kRelu ? (r > 0.0f ? r : 0.0f) : r;
     }
   }
 }
 
-}  // namespace
-
-void channel_sum_f32(const float* u, int64_t rows, int64_t C, float* acc) { sum_rows(u, rows, C, acc); }
-
-void channel_sum_sq_dev_f32(const float* x, int64_t rows, int64_t C, const float* m, float* acc) {
-  sum_sq_dev_rows(x, rows, C, m, acc);
-}
-
-void channel_sum_grad_f32(const float* g, const float* y, const float* x, int64_t rows, int64_t C, const float* m,
-                          float* sg, float* sgx) {
+template <class In>
+void sum_grad(const In* g, const In* y, const In* x, int64_t rows, int64_t C, const float* m, float* sg, float* sgx) {
   if (y) sum_grad_rows<true>(g, y, x, rows, C, m, sg, sgx);
   else sum_grad_rows<false>(g, y, x, rows, C, m, sg, sgx);
 }
 
-void channel_affine_f32(float* out, const float* u, const float* y, const float* v, int64_t rows, int64_t C,
-                        const float* ku, const float* kv, const float* k0, bool relu) {
+template <class In>
+void affine(float* out, const In* u, const In* y, const In* v, int64_t rows, int64_t C, const float* ku,
+            const float* kv, const float* k0, bool relu) {
   auto go = [&](auto fn) { fn(out, u, y, v, rows, C, ku, kv, k0); };
   if (y) {
-    if (v) relu ? go(affine_rows<true, true, true>) : go(affine_rows<true, true, false>);
-    else relu ? go(affine_rows<true, false, true>) : go(affine_rows<true, false, false>);
+    if (v) relu ? go(affine_rows<true, true, true, In>) : go(affine_rows<true, true, false, In>);
+    else relu ? go(affine_rows<true, false, true, In>) : go(affine_rows<true, false, false, In>);
   } else {
-    if (v) relu ? go(affine_rows<false, true, true>) : go(affine_rows<false, true, false>);
-    else relu ? go(affine_rows<false, false, true>) : go(affine_rows<false, false, false>);
+    if (v) relu ? go(affine_rows<false, true, true, In>) : go(affine_rows<false, true, false, In>);
+    else relu ? go(affine_rows<false, false, true, In>) : go(affine_rows<false, false, false, In>);
   }
+}
+
+}  // namespace
+
+void channel_sum(const float* u, int64_t rows, int64_t C, float* acc) { sum_rows(u, rows, C, acc); }
+void channel_sum(const bfloat16* u, int64_t rows, int64_t C, float* acc) { sum_rows(u, rows, C, acc); }
+
+void channel_sum_sq_dev(const float* x, int64_t rows, int64_t C, const float* m, float* acc) {
+  sum_sq_dev_rows(x, rows, C, m, acc);
+}
+void channel_sum_sq_dev(const bfloat16* x, int64_t rows, int64_t C, const float* m, float* acc) {
+  sum_sq_dev_rows(x, rows, C, m, acc);
+}
+
+void channel_sum_grad(const float* g, const float* y, const float* x, int64_t rows, int64_t C, const float* m,
+                      float* sg, float* sgx) {
+  sum_grad(g, y, x, rows, C, m, sg, sgx);
+}
+void channel_sum_grad(const bfloat16* g, const bfloat16* y, const bfloat16* x, int64_t rows, int64_t C,
+                      const float* m, float* sg, float* sgx) {
+  sum_grad(g, y, x, rows, C, m, sg, sgx);
+}
+
+void channel_affine(float* out, const float* u, const float* y, const float* v, int64_t rows, int64_t C,
+                    const float* ku, const float* kv, const float* k0, bool relu) {
+  affine(out, u, y, v, rows, C, ku, kv, k0, relu);
+}
+void channel_affine(float* out, const bfloat16* u, const bfloat16* y, const bfloat16* v, int64_t rows, int64_t C,
+                    const float* ku, const float* kv, const float* k0, bool relu) {
+  affine(out, u, y, v, rows, C, ku, kv, k0, relu);
 }
 
 }  // namespace tandem::kernels
