@@ -1,5 +1,6 @@
 #include "tandem/kernels/cpu/conv.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -221,12 +222,26 @@ std::pair<Tensor, Tensor> conv2d_backward_weight_im2col(const Tensor& gy, const 
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t q = p0 + r, n = q / (OH * OW), oh = (q / OW) % OH, ow = q % OW;
         uint16_t* dst = pc + r * K;
-        for (int64_t kh = 0; kh < KH; ++kh) {
+        for (int64_t kh = 0; kh < KH; ++kh, dst += KW * C) {
           const int64_t ih = oh * p.stride[0] - p.padding[0] + kh * p.dilation[0];
-          for (int64_t kw = 0; kw < KW; ++kw, dst += C) {
-            const int64_t iw = ow * p.stride[1] - p.padding[1] + kw * p.dilation[1];
-            if (ih < 0 || ih >= H || iw < 0 || iw >= W) std::memset(dst, 0, static_cast<size_t>(C) * 2);
-            else std::memcpy(dst, px + ((n * H + ih) * W + iw) * C, static_cast<size_t>(C) * 2);
+          if (ih < 0 || ih >= H) {
+            std::memset(dst, 0, static_cast<size_t>(KW * C) * 2);
+            continue;
+          }
+          const int64_t iw0 = ow * p.stride[1] - p.padding[1];
+          if (p.dilation[1] == 1) {
+            // Undilated taps of one kernel row are adjacent pixels of the channels-last row: the
+            // taps inside the image are one contiguous run, copied at once; padding is zeros.
+            const int64_t lo = std::clamp<int64_t>(-iw0, 0, KW), hi = std::clamp<int64_t>(W - iw0, lo, KW);
+            if (lo > 0) std::memset(dst, 0, static_cast<size_t>(lo * C) * 2);
+            if (hi > lo) std::memcpy(dst + lo * C, px + ((n * H + ih) * W + iw0 + lo) * C, static_cast<size_t>((hi - lo) * C) * 2);
+            if (hi < KW) std::memset(dst + hi * C, 0, static_cast<size_t>((KW - hi) * C) * 2);
+            continue;
+          }
+          for (int64_t kw = 0; kw < KW; ++kw) {
+            const int64_t iw = iw0 + kw * p.dilation[1];
+            if (iw < 0 || iw >= W) std::memset(dst + kw * C, 0, static_cast<size_t>(C) * 2);
+            else std::memcpy(dst + kw * C, px + ((n * H + ih) * W + iw) * C, static_cast<size_t>(C) * 2);
           }
         }
       }
