@@ -302,6 +302,44 @@ TEST(Convert, F32ToBF16BitIdenticalToScalar) {
   for (size_t i = 0; i < src.size(); ++i) ASSERT_EQ(fast[i].bits, ref[i].bits) << std::hex << fbits(src[i]);
 }
 
+// convert_for_later (streaming stores for large bf16 -> f32 results) writes what convert() writes,
+// bit for bit: every bf16 pattern (NaNs, infinities, subnormals) at lengths below, at and above
+// the streaming threshold, with destinations starting off a 64-byte line (the plain head) and
+// lengths that leave a tail, and nothing past the end (guard elements).
+TEST(Convert, ForLaterEqualsConvertBitForBit) {
+  const int64_t big = td::kStreamingMinElements;
+  std::vector<td::bfloat16> src(static_cast<size_t>(big + 300));
+  for (size_t i = 0; i < src.size(); ++i) src[i].bits = static_cast<uint16_t>((i * 40503u) ^ (i >> 3));
+  std::vector<float> a(src.size() + 40), b(src.size() + 40);
+  for (int64_t n : {int64_t{0}, int64_t{33}, big - 1, big, big + 17, big + 283}) {
+    for (int64_t off : {0, 1, 7, 16}) {  // float offsets: 0 is 64-byte aligned only if the vector is
+      std::fill(a.begin(), a.end(), -1.25f);
+      std::fill(b.begin(), b.end(), -1.25f);
+      td::convert(src.data(), td::kBFloat16, a.data() + off, td::kFloat32, n);
+      td::convert_for_later(src.data(), td::kBFloat16, b.data() + off, td::kFloat32, n);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "n " << n << " offset " << off;
+    }
+  }
+  // Not vacuous: the inputs include NaN, infinity and subnormal patterns.
+  int nan = 0, inf = 0, sub = 0;
+  for (const td::bfloat16& h : src) {
+    const uint16_t e = h.bits & 0x7f80u, m = h.bits & 0x007fu;
+    nan += e == 0x7f80u && m != 0;
+    inf += e == 0x7f80u && m == 0;
+    sub += e == 0 && m != 0;
+  }
+  EXPECT_GT(nan, 0);
+  EXPECT_GT(inf, 0);
+  EXPECT_GT(sub, 0);
+  // Other dtype pairs are convert() itself.
+  std::vector<float> f(1000);
+  for (size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(i) * 0.37f - 100.0f;
+  std::vector<td::bfloat16> x(f.size()), y(f.size());
+  td::convert(f.data(), td::kFloat32, x.data(), td::kBFloat16, 1000);
+  td::convert_for_later(f.data(), td::kFloat32, y.data(), td::kBFloat16, 1000);
+  EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * 2), 0);
+}
+
 TEST(Convert, SubnormalInEveryLane) {
   // A 16-lane block that is all normal except one subnormal, for every lane position.
   for (int lane = 0; lane < 16; ++lane) {

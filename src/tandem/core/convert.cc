@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "tandem/core/cpu_features.h"
@@ -68,6 +69,21 @@ void bf16_to_f32_avx512f(const bfloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// The same widening with streaming stores: dst is written in whole 64-byte lines that bypass the
+// caches, so the lines are not read first (no read-for-ownership) and do not evict what the
+// caller still works on. Head elements up to dst's first 64-byte boundary and the tail are plain.
+__attribute__((target("avx512f")))
+void bf16_to_f32_streaming_avx512f(const bfloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  _mm_sfence();  // the streamed lines are globally visible before anyone is told the result is ready
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // ---- f32 <-> f16 (F16C: IEEE conversion with subnormals, RNE by the immediate) ----------------
 __attribute__((target("avx,f16c")))
 void f32_to_f16_f16c(const float* src, half* dst, int64_t n) {
@@ -102,6 +118,13 @@ void convert_loop(const S* src, D* dst, int64_t n) {
 }
 
 }  // namespace
+
+void convert_for_later(const void* src, DType sdt, void* dst, DType ddt, int64_t n) {
+  if (sdt == DType::bf16 && ddt == DType::f32 && n >= kStreamingMinElements && cpu_features().avx512f) {
+    return bf16_to_f32_streaming_avx512f(static_cast<const bfloat16*>(src), static_cast<float*>(dst), n);
+  }
+  convert(src, sdt, dst, ddt, n);
+}
 
 void convert_f32_to_bf16_scalar(const float* src, bfloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bfloat16(src[i]);

@@ -8,6 +8,7 @@
 #include "tandem/amp/policy.h"
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/autograd/node.h"
+#include "tandem/core/convert.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/ops/elementwise.h"
 
@@ -246,12 +247,20 @@ Tensor Tensor::to(DType target) const {
   kernels::copy_into(out, *this);
   if (is_floating(target)) {
     const DType src = dtype();
-    const bool recorded = record("ToCopyBackward", {*this}, {out}, [src](const std::vector<Tensor>& g) {
+    // A leaf's (a parameter's) gradient is read again only by the optimizer, after the rest of
+    // backward: a large one is widened with streaming stores (convert_for_later).
+    const bool to_leaf = is_leaf();
+    const bool recorded = record("ToCopyBackward", {*this}, {out}, [src, to_leaf](const std::vector<Tensor>& g) {
       // Converted straight into the source's gradient destination when one is offered (the f32
       // parameter's DDP bucket slot under autocast).
       Tensor d = autograd::take_output_destination(0, g[0].shape(), src);
       // Already widened: the node before took the rounded offer (node.h) and wrote into d.
       if (g[0].dtype() == src && (!d.defined() || g[0].data_ptr() == d.data_ptr())) return std::vector<Tensor>{g[0]};
+      if (to_leaf && g[0].is_contiguous()) {
+        Tensor w = d.defined() ? d : empty(g[0].shape(), src);  // a destination is contiguous (node.h)
+        convert_for_later(g[0].data_ptr(), g[0].dtype(), w.data_ptr(), src, g[0].numel());
+        return std::vector<Tensor>{w};
+      }
       if (d.defined()) {
         kernels::copy_into(d, g[0]);
         return std::vector<Tensor>{d};

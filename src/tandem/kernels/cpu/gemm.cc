@@ -259,7 +259,8 @@ void gemm_into_rounded_bf16(const Tensor& a, const Tensor& b, Tensor& c) {
                     blas_operand(b.size(1), b.size(2), b.stride(1), b.stride(2)).trans != 0;
   if (a.size(2) > 0 && amx_bf16_enabled() && unit) return gemm_bf16_amx(a, b, Tensor(), c, true);
   Tensor r = gemm(a, b, Tensor(), kBFloat16);
-  convert(r.data_ptr(), kBFloat16, c.data_ptr(), kFloat32, c.numel());
+  // c is a parameter's gradient (its rounded destination), read next by the optimizer or DDP.
+  convert_for_later(r.data_ptr(), kBFloat16, c.data_ptr(), kFloat32, c.numel());
 }
 
 void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
