@@ -59,28 +59,24 @@ void f32_to_bf16_avx512f(const float* src, bfloat16* dst, int64_t n) {
   convert_f32_to_bf16_scalar(src + i, dst + i, n - i);
 }
 
+// kStream: dst is written in whole 64-byte lines with streaming stores that bypass the caches, so
+// the lines are not read first (no read-for-ownership) and do not evict what the caller still
+// works on; the elements before dst's first 64-byte boundary and the tail are plain stores.
+template <bool kStream>
 __attribute__((target("avx512f")))
 void bf16_to_f32_avx512f(const bfloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
+  if constexpr (kStream) {
+    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = static_cast<float>(src[i]);
+  }
   for (; i + 16 <= n; i += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    if constexpr (kStream) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), w);
+    else _mm512_storeu_si512(dst + i, w);
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// The same widening with streaming stores: dst is written in whole 64-byte lines that bypass the
-// caches, so the lines are not read first (no read-for-ownership) and do not evict what the
-// caller still works on. Head elements up to dst's first 64-byte boundary and the tail are plain.
-__attribute__((target("avx512f")))
-void bf16_to_f32_streaming_avx512f(const bfloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) dst[i] = static_cast<float>(src[i]);
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  _mm_sfence();  // the streamed lines are globally visible before anyone is told the result is ready
+  // Streamed lines are globally visible before anyone is told the result is ready.
+  if constexpr (kStream) _mm_sfence();
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -121,7 +117,7 @@ void convert_loop(const S* src, D* dst, int64_t n) {
 
 void convert_for_later(const void* src, DType sdt, void* dst, DType ddt, int64_t n) {
   if (sdt == DType::bf16 && ddt == DType::f32 && n >= kStreamingMinElements && cpu_features().avx512f) {
-    return bf16_to_f32_streaming_avx512f(static_cast<const bfloat16*>(src), static_cast<float*>(dst), n);
+    return bf16_to_f32_avx512f<true>(static_cast<const bfloat16*>(src), static_cast<float*>(dst), n);
   }
   convert(src, sdt, dst, ddt, n);
 }
@@ -149,7 +145,7 @@ void convert(const void* src, DType sdt, void* dst, DType ddt, int64_t n) {
     return convert_f32_to_bf16_scalar(s, d, n);
   }
   if (sdt == DType::bf16 && ddt == DType::f32) {
-    if (cpu.avx512f) return bf16_to_f32_avx512f(static_cast<const bfloat16*>(src), static_cast<float*>(dst), n);
+    if (cpu.avx512f) return bf16_to_f32_avx512f<false>(static_cast<const bfloat16*>(src), static_cast<float*>(dst), n);
   }
   if (sdt == DType::f32 && ddt == DType::f16 && cpu.f16c) {
     return f32_to_f16_f16c(static_cast<const float*>(src), static_cast<half*>(dst), n);

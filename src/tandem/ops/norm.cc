@@ -169,16 +169,15 @@ void channel_affine(const Layout& l, T* out, const T* u, const T* y, const T* v,
                     const std::vector<float>& kv, const std::vector<float>& k0, bool relu) {
   const Blocks bl{l};
   parallel_for(0, bl.count(), std::max<int64_t>(1, 16384 / bl.max_elems()), [&](int64_t lo, int64_t hi) {
+    // Scratch: f32 blocks of f16 inputs, and of any 16-bit output before its rounding.
+    const size_t m = static_cast<size_t>(bl.max_elems());
     std::vector<float> su, sy, sv, so;
-    if constexpr (!std::is_same_v<T, float>) {
-      const size_t m = static_cast<size_t>(bl.max_elems());
-      if constexpr (!std::is_same_v<T, KernelIn<T>>) {
-        su.resize(m);
-        if (y) sy.resize(m);
-        if (v) sv.resize(m);
-      }
-      so.resize(m);
+    if constexpr (!std::is_same_v<T, KernelIn<T>>) {
+      su.resize(m);
+      if (y) sy.resize(m);
+      if (v) sv.resize(m);
     }
+    if constexpr (!std::is_same_v<T, float>) so.resize(m);
     for (int64_t b = lo; b < hi; ++b) {
       const Blocks::Block k = bl[b];
       const int64_t n = k.rows * k.cols;

@@ -5,19 +5,15 @@
 // logits after 5 AdamW steps by 7e-4 of their scale against PyTorch, from 5e-5).
 #pragma GCC optimize("fp-contract=off")
 
-#include <cstring>
-
 namespace tandem::kernels {
 namespace {
 
-// Element i as f32: an f32 input as is, a bf16 one widened exactly (its bits are the top half of
-// the f32's), in registers: the loops below vectorise this into a zero-extend and a shift.
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const bfloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// Element i as f32: an f32 input as is, a bf16 one widened exactly by its own conversion (half.h:
+// its bits are the top half of the f32's), in registers: the loops vectorise it into a
+// zero-extend and a shift.
+template <class In>
+inline float ld(const In* p, int64_t i) {
+  return static_cast<float>(p[i]);
 }
 
 // C == 1 (a run of one NCHW channel): 16 independent partial sums, so the loop vectorises; they
