@@ -192,11 +192,12 @@ inline void print_phases(const std::string& name, const std::string& dtype, cons
 // or 256-bit ones (AVX2+FMA), enough to cover the FMA latency on current x86 cores, for ~0.1 s;
 // the best of 3 runs, in GFLOP/s (2 flops per lane per FMA). The yardstick for how close the f32
 // GEMM time of a step is to what the core can do at all (--phases). 0 without FMA.
-// The timed loop of one ISA: V the vector type, SET1 / FMA its intrinsics, LANES its f32 lanes.
-// The chains live in an array whose loops are fully unrolled, so they stay in registers.
-#define TANDEM_FMA_PEAK_BODY(V, SET1, FMA, LANES)                                           \
+// The timed loop of one ISA: V the accumulator type, SET1 its broadcast, FMA(acc, a, b) the
+// multiply-add, A the multiplicand type and MAKE_A its broadcast from a float, FLOPS the flops per
+// instruction. The chains live in an array whose loops are fully unrolled, so they stay in registers.
+#define TANDEM_FMA_PEAK_BODY(V, SET1, FMA, A, MAKE_A, FLOPS)                                 \
   constexpr int kChains = 12;                                                                \
-  const V a = SET1(0.999f), b = SET1(1e-3f);                                                 \
+  const A a = MAKE_A(0.999f), b = MAKE_A(1e-3f);                                             \
   double best = 0;                                                                           \
   float sink = 0;                                                                            \
   for (int rep = 0; rep < 3; ++rep) {                                                        \
@@ -209,15 +210,31 @@ inline void print_phases(const std::string& name, const std::string& dtype, cons
     }                                                                                        \
     const double s = seconds_since(t0);                                                      \
     _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) sink += v[c][0];              \
-    best = std::max(best, 2.0 * (LANES) * kChains * static_cast<double>(n) / s / 1e9);       \
+    best = std::max(best, (FLOPS) * kChains * static_cast<double>(n) / s / 1e9);             \
   }                                                                                          \
   return sink == 0.12345f ? 0 : best; /* uses the chains, so they are not optimised away */
 
+__attribute__((target("avx512f"))) inline __m512 fma512(__m512 acc, __m512 a, __m512 b) {
+  return _mm512_fmadd_ps(a, b, acc);
+}
+__attribute__((target("avx2,fma"))) inline __m256 fma256(__m256 acc, __m256 a, __m256 b) {
+  return _mm256_fmadd_ps(a, b, acc);
+}
 __attribute__((target("avx512f"))) inline double fma_peak_avx512() {
-  TANDEM_FMA_PEAK_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, 16)
+  TANDEM_FMA_PEAK_BODY(__m512, _mm512_set1_ps, fma512, __m512, _mm512_set1_ps, 2 * 16)
 }
 __attribute__((target("avx2,fma"))) inline double fma_peak_avx2() {
-  TANDEM_FMA_PEAK_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, 8)
+  TANDEM_FMA_PEAK_BODY(__m256, _mm256_set1_ps, fma256, __m256, _mm256_set1_ps, 2 * 8)
+}
+// VDPBF16PS: 16 f32 lanes, each adding two bf16 x bf16 products (4 flops per lane).
+__attribute__((target("avx512f,avx512bf16"))) inline __m512bh bf16_pairs(float x) {
+  return _mm512_cvtne2ps_pbh(_mm512_set1_ps(x), _mm512_set1_ps(x));
+}
+__attribute__((target("avx512f,avx512bf16"))) inline __m512 dpbf16(__m512 acc, __m512bh a, __m512bh b) {
+  return _mm512_dpbf16_ps(acc, a, b);
+}
+__attribute__((target("avx512f,avx512bf16"))) inline double dpbf16_peak_avx512() {
+  TANDEM_FMA_PEAK_BODY(__m512, _mm512_set1_ps, dpbf16, __m512bh, bf16_pairs, 4 * 16)
 }
 #undef TANDEM_FMA_PEAK_BODY
 
@@ -230,11 +247,25 @@ inline double f32_fma_peak_gflops() {
   return peak;
 }
 
-// Sets the thread count and prints the "env" line (with the core's measured f32 FMA peak).
+// This core's bf16 multiply-add peak without AMX, measured the same way with VDPBF16PS
+// (AVX512-BF16): what the bf16 GEMMs of a step can reach at all on such a core. 0 where the CPU
+// has no AVX512-BF16, and where it has AMX-BF16: there the bf16 products run on the tiles, whose
+// peak this does not measure.
+inline double bf16_dot_peak_gflops() {
+  static const double peak = [] {
+    if (cpu_features().amx_bf16 || !cpu_features().avx512_bf16) return 0.0;
+    return dpbf16_peak_avx512();
+  }();
+  return peak;
+}
+
+// Sets the thread count and prints the "env" line (with the core's measured f32 FMA and bf16 dot
+// product peaks).
 inline void init_and_print_env(int threads) {
   set_num_threads(threads);
-  std::printf("{\"name\":\"env\",\"impl\":\"tandem\",\"threads\":%d,\"cpu\":\"%s\",\"f32_fma_peak_gflops\":%.1f}\n",
-              get_num_threads(), cpu_features().summary().c_str(), f32_fma_peak_gflops());
+  std::printf("{\"name\":\"env\",\"impl\":\"tandem\",\"threads\":%d,\"cpu\":\"%s\",\"f32_fma_peak_gflops\":%.1f,"
+              "\"bf16_dot_peak_gflops\":%.1f}\n",
+              get_num_threads(), cpu_features().summary().c_str(), f32_fma_peak_gflops(), bf16_dot_peak_gflops());
   std::fflush(stdout);
 }
 

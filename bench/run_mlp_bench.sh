@@ -10,8 +10,10 @@
 #                      mlp_step_bench target is built there if missing (or with --rebuild)
 #   --rounds R         alternate Tandem and PyTorch R times and keep each one's best round (default 2)
 #   --seconds S        timed seconds per workload per round (default 3)
-#   --phases           also print each side's per-phase step breakdown and every GEMM of the
-#                      step timed on its own
+#   --phases           also print each side's per-phase step breakdown, every GEMM of the
+#                      step timed on its own, and the ceilings of the step's ratio: PyTorch's
+#                      step over Tandem's GEMM time in the step, and over that time at this
+#                      core's measured f32 FMA / bf16 VDPBF16PS peak (the "env" line)
 #
 # Columns: "wall" figures come from the median wall time per iteration; "cpu" figures from the
 # median process CPU time per iteration, which on a busy shared machine is the steadier of the
@@ -118,6 +120,40 @@ if last:
                   f"{t['us_cpu_median'] / p['us_cpu_median']:>9.2f}")
         if tot_p:
             print(f"  {d:<5} {'all 8':<13} {'':<16} {tot_t:>8.1f} {tot_p:>8.1f} {tot_t / tot_p:>9.2f}")
+    # What the step's GEMMs allow: PyTorch's best median cpu step over Tandem's GEMM time as the
+    # GEMMs run inside the step now ("gemm only", "gemm+rest") and at this core's measured peak
+    # ("peak only", "peak+rest": the bound for any implementation doing these flops on these
+    # units), first with nothing else taking any time, then with the rest of Tandem's step
+    # (step - GEMM time) as it is now.
+    def env_peak(field):
+        peaks = [r[field] for r in rows if r["name"] == "env" and r.get(field)]
+        return max(peaks) if peaks else 0.0
+    peak_of = {"f32": env_peak("f32_fma_peak_gflops"), "bf16": env_peak("bf16_dot_peak_gflops")}
+    lines = []
+    for d in ("f32", "bf16"):
+        t = last.get(("phases", d, "tandem"))
+        p_steps = [r["step_ms_cpu_median"] for r in rows if r["name"] == "mlp_step" and r["impl"] == "torch"
+                   and r["dtype"] == d]
+        t_steps = [r["step_ms_cpu_median"] for r in rows if r["name"] == "mlp_step" and r["impl"] == "tandem"
+                   and r["dtype"] == d]
+        if not t or not p_steps or not t_steps or not t.get("gemm_ms"):
+            continue
+        p_step, t_step, gemm = min(p_steps), min(t_steps), t["gemm_ms"]
+        rest = max(0.0, t_step - gemm)
+        peak = peak_of[d]
+        cols = [f"{p_step / gemm:.2f}x", f"{p_step / (gemm + rest):.2f}x"]
+        if peak > 0:
+            at_peak = gemm * t["gemm_gflops"] / peak
+            cols += [f"{p_step / at_peak:.2f}x", f"{p_step / (at_peak + rest):.2f}x", f"{100 * t['gemm_gflops'] / peak:.0f}%"]
+        else:
+            cols += ["-", "-", "-"]
+        lines.append(f"  {d:<5} {p_step:>8.2f} {gemm:>8.2f} {rest:>8.2f} " + " ".join(f"{c:>10}" for c in cols))
+    if lines:
+        print(f"\nceilings of the step's T/P cpu ratio (ms; peaks: f32 FMA {peak_of['f32']:.1f}, bf16 VDPBF16PS"
+              f" {peak_of['bf16']:.1f} GFLOP/s, 0 = not measured):")
+        print(f"  {'dtype':<5} {'P step':>8} {'T gemm':>8} {'T rest':>8} " +
+              " ".join(f"{c:>10}" for c in ["gemm only", "gemm+rest", "peak only", "peak+rest", "gemm %peak"]))
+        print("\n".join(lines))
 
 print("\nraw JSON lines:")
 for r in rows:

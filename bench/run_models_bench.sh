@@ -15,8 +15,9 @@
 #   --dtype D          only f32 or only bf16 (default both)
 #   --phases           also print each side's per-phase step breakdown and its time inside GEMM and
 #                      convolution calls (Tandem: kernel timers; PyTorch: torch.profiler self time),
-#                      and for f32 that time's rate against this core's measured FMA peak (the
-#                      "env" line's f32_fma_peak_gflops) with the ratio the step would reach at it
+#                      and that time's rate against this core's measured peak (the "env" line's
+#                      f32_fma_peak_gflops, or bf16_dot_peak_gflops for bf16 on a core with
+#                      AVX512-BF16 and no AMX) with the ratio the step would reach at it
 #
 # Every (workload, dtype, side) runs in a process of its own, so that the peak-RSS figure is that
 # pair's alone. Columns: "wall" figures come from the median wall time per step; "cpu" figures
@@ -129,13 +130,16 @@ if last:
                 allocs = f"{r['allocs_per_step']:.0f}" if "allocs_per_step" in r else "-"
                 print(f"  {key[0]:<8} {key[1]:<5} {impl:<7} " + " ".join(f"{r[c + '_ms']:>10.3f}" for c in cols)
                       + f" {allocs:>12}")
-    peaks = [r["f32_fma_peak_gflops"] for r in rows if r["name"] == "env" and r.get("f32_fma_peak_gflops")]
-    peak = max(peaks) if peaks else 0.0
+    def env_peak(field):
+        peaks = [r[field] for r in rows if r["name"] == "env" and r.get(field)]
+        return max(peaks) if peaks else 0.0
+    peak_of = {"f32": env_peak("f32_fma_peak_gflops"), "bf16": env_peak("bf16_dot_peak_gflops")}
     print("\nmatrix products (GEMM + convolution calls) in the same phase runs, ms/step; \"ceiling\": PyTorch's"
           "\nbest median cpu step over Tandem's GEMM + convolution time, the ratio Tandem would reach if"
-          "\neverything else took no time. f32 only: \"%peak\", Tandem's GEMM + convolution rate over this core's measured"
-          f"\nf32 FMA peak ({peak:.1f} GFLOP/s, 12 chains of FMAs); \"at peak\", the ratio if all of them ran"
-          "\nat that peak and everything else took the time it takes now:")
+          "\neverything else took no time. \"%peak\": Tandem's GEMM + convolution rate over this core's measured"
+          f"\npeak (f32: {peak_of['f32']:.1f} GFLOP/s, 12 chains of FMAs; bf16: {peak_of['bf16']:.1f} GFLOP/s, 12 chains"
+          "\nof VDPBF16PS, 0 = not measured: no AVX512-BF16, or AMX, whose tiles it does not measure);"
+          "\n\"at peak\": the ratio if all of them ran at that peak and everything else took the time it takes now:")
     print(f"  {'workload':<8} {'dtype':<5} {'T gemm':>8} {'GF/s':>6} {'T conv':>8} {'GF/s':>6} {'P gemm':>8} {'P conv':>8}"
           f" {'ceiling':>8} {'%peak':>6} {'at peak':>8}")
     for key in order:
@@ -146,8 +150,10 @@ if last:
                         and r["impl"] == "torch" and r["dtype"] == key[1])
         tm = t["gemm_ms"] + t["conv_ms"]
         pct = at_peak = "-"
-        if key[1] == "f32" and peak > 0 and tm > 0:
-            # GEMM and convolution together: both are f32 multiply-adds on the same FMA units.
+        peak = peak_of.get(key[1], 0.0)
+        if peak > 0 and tm > 0:
+            # GEMM and convolution together: both are multiply-adds on the same units (under bf16
+            # autocast every GEMM and convolution of these models runs in bf16).
             t_step_ms = statistics.median(r["step_ms_cpu_median"] for r in rows if r["name"] == f"{key[0]}_step"
                                           and r["impl"] == "tandem" and r["dtype"] == key[1])
             gflop = (t["gemm_ms"] * t["gemm_gflops"] + t["conv_ms"] * t["conv_gflops"]) / 1e3
