@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "ops/ops_test_util.h"
@@ -394,6 +395,70 @@ TEST(ForwardLinalg, F32GemmLayoutsMatchF64) {
             ASSERT_LE(std::abs(g[i] - w[i]), bound)
                 << "element " << i << " layouts " << la << "," << lb << " bias " << with_bias << " case " << cs.ba
                 << "x" << cs.M << "x" << cs.K << " @ " << cs.bb << "x" << cs.K << "x" << cs.N;
+          }
+        }
+      }
+    }
+  }
+}
+
+// sgemm computes C = A B^T with a transposed B whose rows lie a multiple of 4 KiB apart and 2..128
+// rows of A as C^T = B A^T into scratch, transposed back (gemm.cc). Checked against the f64 loop
+// with the bound above, on both sides of every switch: 1, 2, 16, 128 and 129 rows; B rows 1024
+// and 2048 floats apart (K = 1024 and 2048, and K = 1000 in rows of a 1024-wide tensor, as a
+// narrowed weight) and 1000 apart (never swapped); 2, 10 and 300 columns; no bias, a bias, a
+// strided bias, a broadcast batch of B; and sgemm itself with beta = 1 onto an existing C, with
+// C's rows wider than N (never swapped). A transpose with the wrong extent or stride fails it.
+TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
+  Generator gen(11);
+  auto check = [](const Tensor& got, const Tensor& want, const Tensor& mag, int64_t K, const std::string& what) {
+    ASSERT_EQ(got.shape(), want.shape()) << what;
+    const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double bound = K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
+      ASSERT_LE(std::abs(g[i] - w[i]), bound) << what << " element " << i;
+    }
+  };
+  for (const int64_t M : {1, 2, 16, 128, 129}) {
+    for (const auto& [K, ld] : {std::pair<int64_t, int64_t>{1024, 1024}, {2048, 2048}, {1000, 1024}, {1000, 1000}}) {
+      for (const int64_t N : {2, 10, 300}) {
+        for (int variant = 0; variant < 4; ++variant) {
+          const std::string what = fmt::format("M {} K {} ld {} N {} variant {}", M, K, ld, N, variant);
+          const int64_t batch = variant == 3 ? 2 : 1;
+          const Tensor a = randn({batch, M, K}, kFloat32, &gen);
+          // B = W^T for a weight W (N x ld), of which the first K columns are used.
+          const Tensor w = randn({1, N, ld}, kFloat32, &gen).slice(2, 0, K);
+          const Tensor b = w.transpose(1, 2);
+          const Tensor bias = variant == 1   ? randn({N}, kFloat32, &gen)
+                              : variant == 2 ? randn({2 * N}, kFloat32, &gen).slice(0, 0, 2 * N, 2)
+                                             : Tensor();
+          const Tensor got = kernels::gemm(a, b, bias, kFloat32);
+          const Tensor want = kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias,
+                                            kFloat64);
+          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
+          check(got, want, mag, K, what);
+        }
+        // sgemm with beta = 1 onto an existing C of row stride ldc (N: may swap; N + 3: never).
+        for (const int64_t ldc : {N, N + 3}) {
+          const std::string what = fmt::format("sgemm beta 1 M {} K {} ld {} N {} ldc {}", M, K, ld, N, ldc);
+          const Tensor a = randn({M, K}, kFloat32, &gen);
+          const Tensor w = randn({N, ld}, kFloat32, &gen);
+          const Tensor c0 = randn({M, ldc}, kFloat32, &gen);
+          Tensor c = c0.clone();
+          kernels::sgemm('N', 'T', M, N, K, a.data_ptr<float>(), K, w.data_ptr<float>(), ld, 1.0f, c.data_ptr<float>(),
+                         ldc);
+          const Tensor wk = w.slice(1, 0, K).t();
+          const Tensor want = ops::add(kernels::gemm(a.to(kFloat64).unsqueeze(0), wk.to(kFloat64).unsqueeze(0), Tensor(),
+                                                     kFloat64)
+                                           .squeeze(0),
+                                       c0.slice(1, 0, N).to(kFloat64));
+          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)).unsqueeze(0), ops::abs(wk.to(kFloat64)).unsqueeze(0),
+                                           Tensor(), kFloat64)
+                                 .squeeze(0);
+          check(c.slice(1, 0, N), want, mag, K, what);
+          // The columns past N are C's own and stay as they were.
+          if (ldc > N) {
+            ASSERT_EQ(c.slice(1, N, ldc).to_vector(), c0.slice(1, N, ldc).to_vector()) << what;
           }
         }
       }
