@@ -278,16 +278,17 @@ void dnnl_sgemm_checked(char transa, char transb, int64_t M, int64_t N, int64_t 
 void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
            int64_t ldb, float beta, float* c, int64_t ldc) {
   if (M == 0 || N == 0) return;
-  // dnnl_sgemm is 10-110% slower on C = A B^T when B's rows lie a multiple of 4 KiB apart (a
-  // Linear weight with in_features a multiple of 1024) and A has few rows than on the same
-  // product with the operands swapped (one Zen 4 core, oneDNN 2.6, 1 thread: 88 vs 102 GFLOP/s
-  // for 128 x 1024 x 1024, 35 vs 74 for 16 x 1024 x 1024; 2-5% slower from 256 rows on, and no
-  // difference for one row, a matrix-vector product). There C^T = B A^T is computed into scratch
-  // (the old C transposed in first when beta != 0) and transposed into C: the same products, each
-  // element's sum possibly in another order, as between any two GEMM kernels.
+  // On C = A B^T with B's rows a multiple of 4 KiB apart (a Linear weight with in_features a
+  // multiple of 1024) and 2..128 rows of A, dnnl_sgemm is 10-110% slower than on the same product
+  // with the operands swapped (one Zen 4 core, oneDNN 2.6, 1 thread: 88 vs 102 GFLOP/s for
+  // 128 x 1024 x 1024, 35 vs 74 for 16 x 1024 x 1024; from 256 rows on the swap gains nothing,
+  // -3..+5%, and one row is a matrix-vector product either way). There C^T = B A^T is computed into
+  // scratch (the old C transposed in first when beta != 0) and transposed into C: the same
+  // products, each element's sum possibly in another order, as between any two GEMM kernels.
+  const bool swap = transa == 'N' && transb == 'T' && ldb % 1024 == 0 && M >= 2 && M <= 128 && N >= 2 && ldc == N && K > 0;
   dnnl_sync_threads();
   const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(M) * static_cast<double>(N * K));
-  if (transa == 'N' && transb == 'T' && ldb % 1024 == 0 && M >= 2 && M <= 128 && N >= 2 && ldc == N && K > 0) {
+  if (swap) {
     Tensor scratch = empty({N * M}, kFloat32);
     float* ct = scratch.data_ptr<float>();
     if (beta != 0.0f) transpose_f32(c, M, N, ldc, ct);
