@@ -10,6 +10,7 @@
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
 #include "tandem/optim/optimizer.h"
+#include "tandem/nn/norm.h"
 
 namespace tandem::parallel {
 namespace {
@@ -146,7 +147,7 @@ void DistributedDataParallel::check_same_model() {
       fmt::join(ranks, ", "), i, at0, differing, at_r));
 }
 
-void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tensors) {
+void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tensors, int root) {
   if (group_->size() == 1) return;
   // One flat broadcast per dtype (coalesced), then copied back.
   std::map<DType, std::vector<Tensor>> by_dtype;
@@ -160,7 +161,7 @@ void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tenso
       make_view(flat, t.shape(), contiguous_strides(t.shape()), off).copy_(t);
       off += t.numel();
     }
-    group_->broadcast(flat, 0)->wait();
+    group_->broadcast(flat, root)->wait();
     off = 0;
     for (auto t : list) {
       t.copy_(make_view(flat, t.shape(), contiguous_strides(t.shape()), off));
@@ -182,16 +183,114 @@ void DistributedDataParallel::before_forward() {
                  name, dtype_name(dtypes_[i].second), dtype_name(t.dtype()));
     ++i;
   }
+  int buffer_root = 0;
+  bool all_train = true;
+  if (join_active_ && group_->size() > 1) {
+    const JoinRound round = join_round(true, autograd::is_grad_enabled() && require_sync_);
+    if (join_options_.throw_on_early_termination && round.active < group_->size()) {
+      throw ValueError(fmt::format(
+          "DistributedDataParallel.join: {} of {} ranks ran out of inputs before rank {}; with "
+          "throw_on_early_termination every rank stops here. Give every rank the same number of batches "
+          "(DistributedSampler pads), or join without throw_on_early_termination to go on without them",
+          group_->size() - round.active, group_->size(), group_->rank()));
+    }
+    buffer_root = round.highest_active;
+    all_train = round.active == group_->size();
+    reducer_->set_join_divisor(join_options_.divide_by_initial_world_size ? 0 : round.active);
+  }
   // As PyTorch: buffers are broadcast at a forward that follows a synchronized one (or the
   // construction), whatever the training flag — so the first eval forward after training evaluates
   // with rank 0's running statistics on every rank — and not after a no_sync or no-grad forward.
+  // Under join they come from the highest rank still training.
   if (options_.broadcast_buffers && require_forward_param_sync_ && group_->size() > 1) {
     NoGradGuard no_grad;
-    broadcast_tensors(module_->buffers());
+    broadcast_tensors(module_->buffers(), buffer_root);
   }
   if (!is_training()) return;
   ++forwards_;
-  if (options_.check_replicas_every > 0 && forwards_ % options_.check_replicas_every == 0) check_replicas();
+  if (options_.check_replicas_every > 0 && forwards_ % options_.check_replicas_every == 0 && all_train) {
+    check_replicas();
+  }
+}
+
+DistributedDataParallel::JoinRound DistributedDataParallel::join_round(bool active, bool sync) {
+  const int world = group_->size();
+  // [rank 0 trains, ..., rank w-1 trains, number of ranks whose backward reduces]
+  Tensor t = zeros({world + 1}, kInt64);
+  int64_t* v = t.data_ptr<int64_t>();
+  v[group_->rank()] = active ? 1 : 0;
+  v[world] = sync ? 1 : 0;
+  group_->all_reduce(t, dist::ReduceOp::SUM)->wait();
+  JoinRound round;
+  for (int r = 0; r < world; ++r) {
+    if (v[r] != 0) {
+      ++round.active;
+      round.highest_active = r;
+    }
+  }
+  round.sync = v[world] != 0;
+  return round;
+}
+
+void DistributedDataParallel::join(const std::function<void()>& loop, JoinOptions options) {
+  if (!options.enable) {
+    loop();
+    return;
+  }
+  TANDEM_CHECK(!join_active_, ValueError, "DistributedDataParallel.join: already inside join() (joins do not nest)");
+  TANDEM_CHECK(!options_.deterministic, ValueError,
+               "DistributedDataParallel.join: the deterministic mode needs every rank to run the same micro-batches "
+               "per step, so it cannot join uneven inputs; give every rank the same number of batches instead");
+  for (const auto& [name, m] : module_->named_modules()) {
+    // A SyncBatchNorm, or a BatchNorm convert_sync_batchnorm made synchronize (training_forward).
+    const auto* bn = dynamic_cast<const nn::BatchNorm*>(m.get());
+    TANDEM_CHECK(bn == nullptr || !bn->training_forward, ValueError,
+                 "DistributedDataParallel.join: module '{}' is a SyncBatchNorm, whose forward is a collective that a "
+                 "rank out of inputs cannot answer; use BatchNorm, or give every rank the same number of batches",
+                 name.empty() ? std::string("(the wrapped module)") : name);
+  }
+  join_active_ = true;
+  join_options_ = options;
+  struct Leave {
+    DistributedDataParallel& ddp;
+    ~Leave() {
+      ddp.join_active_ = false;
+      ddp.reducer_->set_join_divisor(0);
+    }
+  } leave{*this};
+
+  loop();
+  if (group_->size() == 1) return;
+
+  // This rank is out of inputs: answer the others' iterations until every rank is.
+  bool last = true;
+  for (;;) {
+    const JoinRound round = join_round(false, false);
+    if (round.active == 0) break;
+    last = false;
+    if (options.throw_on_early_termination) {
+      throw ValueError(fmt::format(
+          "DistributedDataParallel.join: rank {} ran out of inputs while {} other rank(s) still train; with "
+          "throw_on_early_termination every rank stops here. Give every rank the same number of batches "
+          "(DistributedSampler pads), or join without throw_on_early_termination to go on without them",
+          group_->rank(), round.active));
+    }
+    if (options_.broadcast_buffers && require_forward_param_sync_) {
+      NoGradGuard no_grad;
+      broadcast_tensors(module_->buffers(), round.highest_active);
+    }
+    require_forward_param_sync_ = round.sync;
+    if (round.sync) reducer_->shadow_backward();
+  }
+
+  // Every rank takes the model of the highest rank among those that trained to the end.
+  Tensor candidate = tensor(std::vector<int64_t>{last ? group_->rank() : -1}, {1});
+  group_->all_reduce(candidate, dist::ReduceOp::MAX)->wait();
+  const int root = static_cast<int>(candidate.data_ptr<int64_t>()[0]);
+  NoGradGuard no_grad;
+  std::vector<Tensor> all = module_->parameters();
+  for (auto& b : module_->buffers()) all.push_back(b);
+  broadcast_tensors(all, root);
 }
 
 Tensor DistributedDataParallel::forward(const Tensor& x) {

@@ -1,12 +1,14 @@
 // DistributedDataParallel: wraps a module so that backward averages its gradients over a process
 // group while backward still runs (torch.nn.parallel.DistributedDataParallel, same options and
 // defaults). The reducer (reducer.h) does the bucketing; this file handles construction-time
-// agreement, forward bookkeeping, no_sync, buffers, replica checks and the deterministic mode.
+// agreement, forward bookkeeping, no_sync, buffers, replica checks, join (uneven inputs) and the
+// deterministic mode.
 //
 // Invariant: every rank holds the same parameters after construction (broadcast from rank 0) and,
 // given the same optimizer, after every step; check_replicas() proves it on demand.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +41,18 @@ struct DDPOptions {
   // bitwise equal gradients when k (micro-batches per rank) is a power of two. Costs an
   // all_gather of all gradients instead of overlapped all-reduces.
   bool deterministic = false;
+};
+
+// DistributedDataParallel::join's arguments (torch's DistributedDataParallel.join).
+struct JoinOptions {
+  // Gradients are averaged over the whole world, the ranks that ran out of inputs counting as
+  // zeros (true, torch's default), or over the ranks still training in that iteration (false).
+  bool divide_by_initial_world_size = true;
+  // false: join() just runs the loop.
+  bool enable = true;
+  // Instead of carrying on without them, every rank throws ValueError at the first iteration in
+  // which some rank has run out of inputs.
+  bool throw_on_early_termination = false;
 };
 
 class DistributedDataParallel : public nn::Module {
@@ -77,6 +91,27 @@ class DistributedDataParallel : public nn::Module {
 
   void register_comm_hook(CommHook hook) { reducer_->register_comm_hook(std::move(hook)); }
 
+  // Uneven inputs (torch's `with ddp.join():`): runs `loop`, this rank's training loop, in which
+  // ranks may run different numbers of iterations. A rank whose loop has ended keeps answering
+  // the collectives the others' iterations issue (their forwards' buffer broadcasts, one
+  // all-reduce of zeros per bucket in their backwards, the unused-parameter map, the one-time
+  // bucket rebuild), so the others neither hang nor time out; its own parameters and optimizer
+  // state are left as they were. When every rank's loop has ended, every rank takes the
+  // parameters and buffers of the highest rank among those that ran the most iterations. The
+  // optimizer state of a rank that sat iterations out is not brought up to date (as in PyTorch):
+  // training on after join with momentum or Adam lets the replicas drift, which check_replicas
+  // with attach_optimizer reports.
+  // While join is active, each forward costs one extra small all-reduce (which ranks still
+  // train, whether a synchronized backward follows), buffers are broadcast from the highest rank
+  // still training (torch's authoritative rank), and check_replicas_every is skipped in
+  // iterations where some rank has joined. Every rank must call join with the same options.
+  // Not supported (ValueError): the deterministic mode, and SyncBatchNorm (its forward is a
+  // collective no joined rank can answer). Other collectives inside the loop (a found_inf
+  // reducer, metric all-reduces) are the caller's to match. A communication hook runs on zeros
+  // for a joined rank; with divide_by_initial_world_size=false the default hook's average is
+  // rescaled to the ranks still training, a user hook's result is left as it is.
+  void join(const std::function<void()>& loop, JoinOptions options = {});
+
   // The optimizer whose state check_replicas compares too.
   void attach_optimizer(const optim::Optimizer* optimizer) { optimizer_ = optimizer; }
   // Compares checksums of every parameter (and the attached optimizer's state) across ranks;
@@ -86,8 +121,16 @@ class DistributedDataParallel : public nn::Module {
 
  private:
   void check_same_model();
-  void broadcast_tensors(const std::vector<Tensor>& tensors);
+  void broadcast_tensors(const std::vector<Tensor>& tensors, int root = 0);
   void before_forward();
+  // One join round: every rank says whether it still trains and whether the backward after this
+  // forward reduces; all learn how many ranks train, the highest of them, and whether any reduces.
+  struct JoinRound {
+    int active = 0;
+    int highest_active = -1;
+    bool sync = false;
+  };
+  JoinRound join_round(bool active, bool sync);
 
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<dist::ProcessGroup> group_;
@@ -100,6 +143,8 @@ class DistributedDataParallel : public nn::Module {
   bool require_forward_param_sync_ = true;
   int64_t forwards_ = 0;
   const optim::Optimizer* optimizer_ = nullptr;
+  bool join_active_ = false;  // inside join(): forwards take part in join rounds
+  JoinOptions join_options_;
 };
 
 // ---- metric helpers (dist/metrics.h) ----

@@ -10,6 +10,7 @@
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/autograd/node.h"
 #include "tandem/core/error.h"
+#include "tandem/dist/error.h"
 
 namespace tandem::parallel {
 namespace {
@@ -402,13 +403,30 @@ void Reducer::finalize() {
   }
   if (options_.delay_allreduce) launch_ready_buckets();
 
+  // Join with divide_by_initial_world_size=false: the default hook averaged over the world; the
+  // ranks still training are fewer.
+  const double rescale = !hook_ && !local_only_ && join_divisor_ > 0 && join_divisor_ < group_->size()
+                             ? static_cast<double>(group_->size()) / static_cast<double>(join_divisor_)
+                             : 1.0;
   try {
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       Bucket& b = buckets_[bi];
       b.result.work->wait();
       if (b.result.then) b.result.then();
+      if (rescale != 1.0) b.flat.mul_(rescale);
       timings_[bi].done_s = now_s();
     }
+  } catch (const dist::CommError& e) {
+    drain();
+    reset_iteration();
+    // A peer that is gone or issues other collectives is often one that ran out of batches.
+    const std::string msg = fmt::format(
+        "{}\nDistributedDataParallel: the gradient all-reduce after backward failed. If some rank ran out of "
+        "batches before the others (uneven inputs), run each rank's training loop inside "
+        "DistributedDataParallel::join",
+        e.what());
+    if (dynamic_cast<const dist::Timeout*>(&e) != nullptr) throw dist::Timeout(msg);
+    throw dist::CommError(msg);
   } catch (...) {
     drain();
     reset_iteration();
@@ -459,22 +477,67 @@ void Reducer::finalize() {
     if (handed_over) replace_bucket_memory(bi);
   }
 
-  if (!rebuilt_) {
-    // Rebuild once, in the order gradients became ready on rank 0 (broadcast: same layout everywhere).
-    std::vector<int64_t> order = ready_order_;
-    std::vector<char> in(params_.size(), 0);
-    for (int64_t p : order) in[p] = 1;
-    for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
-      if (!in[i]) order.push_back(i);
-    }
-    Tensor t = tensor(order, {static_cast<int64_t>(order.size())});
-    group_->broadcast(t, 0)->wait();
-    const int64_t* o = t.data_ptr<int64_t>();
-    build_buckets(std::vector<int64_t>(o, o + order.size()));
-    rebuilt_ = true;
-    ready_order_.clear();
-  }
+  if (!rebuilt_) rebuild_buckets();
   ++iteration_;
+}
+
+void Reducer::rebuild_buckets() {
+  // Once, in the order gradients became ready on rank 0 (broadcast: same layout everywhere).
+  std::vector<int64_t> order = ready_order_;
+  std::vector<char> in(params_.size(), 0);
+  for (int64_t p : order) in[p] = 1;
+  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+    if (!in[i]) order.push_back(i);
+  }
+  Tensor t = tensor(order, {static_cast<int64_t>(order.size())});
+  group_->broadcast(t, 0)->wait();
+  const int64_t* o = t.data_ptr<int64_t>();
+  build_buckets(std::vector<int64_t>(o, o + order.size()));
+  rebuilt_ = true;
+  ready_order_.clear();
+}
+
+// ---- join ----
+
+void Reducer::set_join_divisor(int64_t ranks) {
+  TANDEM_CHECK(ranks >= 0 && ranks <= group_->size(), ValueError,
+               "DDP join: cannot average over {} ranks in a world of {}", ranks, group_->size());
+  join_divisor_ = ranks;
+}
+
+void Reducer::shadow_backward() {
+  if (group_->size() == 1) return;
+  TANDEM_CHECK(!options_.deterministic, ValueError, "DDP join does not support the deterministic mode");
+  // Every bucket is issued before any is waited for, as the training ranks launch them while
+  // their backward runs; zeros stand for this rank's gradients.
+  std::vector<HookResult> results(buckets_.size());
+  std::vector<GradBucket> views(buckets_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    const Bucket& b = buckets_[bi];
+    GradBucket& gb = views[bi];
+    gb.index = static_cast<int64_t>(bi);
+    gb.buffer = zeros({b.numel}, b.dtype);
+    gb.is_last = bi + 1 == buckets_.size();
+    if (hook_) {
+      for (int64_t p : b.params) gb.parameter_names.push_back(params_[p].name);
+      results[bi] = hook_(*group_, gb);
+    } else {
+      results[bi] = allreduce_hook(*group_, gb);
+    }
+    TANDEM_CHECK(results[bi].work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
+  }
+  for (auto& r : results) {
+    r.work->wait();
+    if (r.then) r.then();
+  }
+  if (options_.find_unused_parameters || options_.static_graph) {
+    Tensor used = zeros({static_cast<int64_t>(params_.size())}, kUInt8);
+    group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
+  }
+  if (!rebuilt_) {
+    ready_order_.clear();  // a joined rank 0 has no ready order of its own: registration order reversed
+    rebuild_buckets();
+  }
 }
 
 void Reducer::finalize_deterministic() {

@@ -84,6 +84,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void register_comm_hook(CommHook hook);
 
+  // ---- join (DistributedDataParallel::join) ----
+  // The default hook's average in the coming synchronized backwards is over `ranks` ranks instead
+  // of the world size (the world's sum divided by `ranks`); 0 restores the world size.
+  void set_join_divisor(int64_t ranks);
+  // For a rank whose inputs ran out: the collectives one synchronized backward of the other ranks
+  // issues after their hooks (each bucket's, through the hook, on zeros; the unused-parameter map;
+  // the one-time rebuild), in the same order. Leaves this rank's gradients alone.
+  void shadow_backward();
+
   // The layout: bucket b holds these parameter indices (into the constructor's list), in order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<int64_t> bucket_sizes_bytes() const;
@@ -140,6 +149,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch(int64_t bucket);
   void finalize();
   void finalize_deterministic();
+  // The one-time rebuild in rank 0's ready order (a collective: a broadcast from rank 0).
+  void rebuild_buckets();
   void reset_iteration();
   void clear_destinations();  // the parameters' gradient destinations (set by prepare_for_backward)
   double now_s() const;
@@ -174,6 +185,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double backward_end_s_ = 0;
   std::vector<int64_t> static_unused_;  // static_graph: unused set found in the first iteration
   bool static_known_ = false;
+  int64_t join_divisor_ = 0;  // 0: the world size
 
   // ---- deterministic mode ----
   std::vector<std::vector<float>> micro_grads_;  // one flat f32 copy of all gradients per micro-batch

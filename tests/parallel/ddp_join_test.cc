@@ -1,0 +1,312 @@
+// DistributedDataParallel::join (torch's `with ddp.join():`): ranks with different numbers of
+// batches. A rank whose loop ended answers the others' collectives until every loop has ended;
+// then every rank holds the model of the rank(s) that trained longest. Each case compares with a
+// single-process reference computed in the same rank, in which step s averages the gradients of
+// the ranks that still had a batch s. Ranks are forked over shm (dist::spawn); a missing or
+// mismatched collective in the joined rank's answers shows up as a timeout, so the group timeout
+// is short and the whole run has a deadline.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/ranges.h>
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/dist/spawn.h"
+#include "tandem/nn/norm.h"
+#include "tandem/ops/elementwise.h"
+#include "tandem/ops/linalg.h"
+#include "tandem/ops/reduce.h"
+#include "tandem/optim/sgd.h"
+#include "tandem/parallel/ddp.h"
+#include "tandem/parallel/sync_batch_norm.h"
+#include "parallel/ranks.h"
+#include "util/test_util.h"
+
+namespace td = tandem;
+using td::Tensor;
+using td::dist::ProcessGroup;
+using td::parallel::DDPOptions;
+using td::parallel::DistributedDataParallel;
+using td::parallel::JoinOptions;
+
+namespace {
+
+void on_ranks(int n, const td::testing::RankFn& fn) {
+  td::testing::on_ranks(n, fn, std::chrono::seconds(120), std::chrono::seconds(15));
+}
+using td::testing::fail;
+
+// x -> linear(w1, b1) [-> BatchNorm1d] -> tanh -> linear(w2) [+ extra]. Seeded, so every rank and
+// the reference start from the same values.
+struct Net : td::nn::Module {
+  explicit Net(bool batch_norm) : Module("Net") {
+    td::Generator gen(11);
+    w1 = register_parameter("w1", td::ops::mul(td::randn({8, 6}, td::kFloat32, &gen), 0.4));
+    b1 = register_parameter("b1", td::ops::mul(td::randn({8}, td::kFloat32, &gen), 0.1));
+    w2 = register_parameter("w2", td::ops::mul(td::randn({3, 8}, td::kFloat32, &gen), 0.4));
+    extra = register_parameter("extra", td::ops::mul(td::randn({3}, td::kFloat32, &gen), 0.1));
+    if (batch_norm) bn = register_module("bn", std::make_shared<td::nn::BatchNorm1d>(8));
+  }
+  Tensor run(const Tensor& x, bool use_extra) {
+    Tensor h = td::ops::linear(x, w1, b1);
+    if (bn) h = bn->forward(h);
+    Tensor out = td::ops::linear(td::ops::tanh(h), w2);
+    return use_extra ? td::ops::add(out, extra) : out;
+  }
+  Tensor w1, b1, w2, extra;
+  std::shared_ptr<td::nn::BatchNorm1d> bn;
+};
+
+// Mean of squares: the per-rank loss (a mean over the rank's batch, as with cross entropy).
+Tensor loss_of(const Tensor& out) { return td::ops::mul(td::ops::sum(td::ops::mul(out, out)), 1.0 / out.numel()); }
+
+Tensor batch(int step, int rank) {
+  td::Generator gen(static_cast<uint64_t>(500 + 37 * step + rank));
+  return td::randn({5, 6}, td::kFloat32, &gen);
+}
+
+// Norm-wise relative difference of all parameters together, and of each.
+void expect_params_close(const td::nn::Module& got, const td::nn::Module& want, double rel, const std::string& what) {
+  auto g = got.named_parameters(), w = want.named_parameters();
+  for (size_t i = 0; i < g.size(); ++i) {
+    Tensor a = g[i].second.to(td::kFloat64).contiguous(), b = w[i].second.to(td::kFloat64).contiguous();
+    double num = 0, den = 0;
+    for (int64_t k = 0; k < a.numel(); ++k) {
+      const double d = a.data_ptr<double>()[k] - b.data_ptr<double>()[k];
+      num += d * d;
+      den += b.data_ptr<double>()[k] * b.data_ptr<double>()[k];
+    }
+    const double r = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    if (!(r <= rel)) fail(fmt::format("{}: parameter '{}' differs from the reference by rel {:.3g} (limit {:.1g})", what, g[i].first, r, rel));
+  }
+}
+
+// Whether `t` is bitwise the same on every rank.
+bool same_everywhere(ProcessGroup& group, const Tensor& t) {
+  Tensor c = t.contiguous();
+  Tensor all = td::empty({c.numel() * group.size()}, c.dtype());
+  group.all_gather(td::dist::as_buffer(all), td::dist::as_buffer(c))->wait();
+  const size_t bytes = static_cast<size_t>(c.nbytes());
+  const auto* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 1; r < group.size(); ++r) {
+    if (std::memcmp(base, base + r * bytes, bytes) != 0) return false;
+  }
+  return true;
+}
+
+struct Case {
+  std::vector<int> batches;  // per rank
+  DDPOptions ddp;
+  JoinOptions join;
+  bool batch_norm = false;
+  bool bf16_wire = false;
+  // Step s uses `extra` only when s is even (find_unused_parameters cases).
+  bool extra_on_even_steps = false;
+};
+
+// Trains with join on this rank's batches and checks the result against the reference.
+void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const Case& c, double rel) {
+  const int world = group.size(), rank = group.rank();
+  const std::string what = fmt::format("batches [{}] divide_by_initial={} bucket_view={} find_unused={} bn={} bf16_wire={}",
+                                       fmt::join(c.batches, ","), c.join.divide_by_initial_world_size,
+                                       c.ddp.gradient_as_bucket_view, c.ddp.find_unused_parameters, c.batch_norm, c.bf16_wire);
+  auto uses_extra = [&](int s) { return !c.extra_on_even_steps || s % 2 == 0; };
+  auto model = std::make_shared<Net>(c.batch_norm);
+  DistributedDataParallel ddp(model, shared, c.ddp);
+  if (c.bf16_wire) ddp.register_comm_hook(td::parallel::bf16_compress_hook);
+  td::optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  ddp.join(
+      [&] {
+        for (int s = 0; s < c.batches[rank]; ++s) {
+          opt.zero_grad();
+          loss_of(ddp.forward_with([&] { return model->run(batch(s, rank), uses_extra(s)); })).backward();
+          opt.step();
+        }
+      },
+      c.join);
+
+  // The reference: step s averages the gradients of the ranks that had a batch s, over the world
+  // (divide_by_initial_world_size) or over those ranks.
+  auto reference = std::make_shared<Net>(c.batch_norm);
+  td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
+  const int steps = *std::max_element(c.batches.begin(), c.batches.end());
+  for (int s = 0; s < steps; ++s) {
+    ref_opt.zero_grad();
+    std::vector<int> active;
+    for (int r = 0; r < world; ++r) {
+      if (c.batches[r] > s) active.push_back(r);
+    }
+    const double divisor = c.join.divide_by_initial_world_size ? world : static_cast<double>(active.size());
+    for (int r : active) td::ops::mul(loss_of(reference->run(batch(s, r), uses_extra(s))), 1.0 / divisor).backward();
+    ref_opt.step();
+  }
+  expect_params_close(*model, *reference, rel, fmt::format("rank {}: {}", rank, what));
+  for (const auto& [name, t] : model->named_parameters()) {
+    if (!same_everywhere(group, t)) fail(fmt::format("rank {}: {}: parameter '{}' differs across ranks after join", rank, what, name));
+  }
+  for (const auto& [name, t] : model->named_buffers()) {
+    if (!same_everywhere(group, t)) fail(fmt::format("rank {}: {}: buffer '{}' differs across ranks after join", rank, what, name));
+  }
+  // The collectives stay aligned after join: a synchronized backward with every rank active gives
+  // every rank the same averaged gradients. (Stepping on would not keep the replicas equal: a
+  // joined rank's optimizer state, here its momentum, missed the steps it sat out, as in PyTorch.)
+  opt.zero_grad();
+  loss_of(ddp.forward_with([&] { return model->run(batch(100, rank), true); })).backward();
+  for (const auto& [name, t] : model->named_parameters()) {
+    if (!same_everywhere(group, t.grad())) fail(fmt::format("rank {}: {}: the gradient of '{}' after join differs across ranks", rank, what, name));
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// f32, the default hook: equal to the reference within f32 summation-order error (the reference
+// sums the ranks' gradients in another order; a few ulps over 6 steps), bitwise equal across ranks
+// after join. Covers: the last rank to finish holding the model; a rank with no batch at all
+// (rank 0 of 3, which is also the root of the bucket rebuild its peers' first iteration triggers);
+// one bucket per parameter (tiny bucket caps); bucket views; both divisors.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
+  for (const std::vector<int>& batches : {std::vector<int>{4, 2}, std::vector<int>{0, 3, 2}}) {
+    on_ranks(static_cast<int>(batches.size()), [&](std::shared_ptr<ProcessGroup> group) {
+      for (bool divide_by_initial : {true, false}) {
+        for (bool view : {false, true}) {
+          Case c;
+          c.batches = batches;
+          c.ddp = DDPOptions{.bucket_cap_mb = 1e-4, .first_bucket_mb = 1e-4, .gradient_as_bucket_view = view};
+          c.join.divide_by_initial_world_size = divide_by_initial;
+          run_case(*group, group, c, 1e-5);
+        }
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What a joined rank must also answer: buffer broadcasts (BatchNorm running statistics, from the
+// highest rank still training), the unused-parameter map (find_unused_parameters, `extra` unused
+// on odd steps), and a communication hook whose collective differs from the default (bf16 wire).
+// A missing or mismatched answer times out. With the bf16 wire every averaged gradient is rounded
+// to bf16 (8 significant bits, rel 2^-9) on the wire: the parameters agree with the f32 reference
+// within rel 1e-2 after 6 steps, and bitwise across ranks.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPJoin, JoinedRanksAnswerBufferBroadcastsUnusedMapsAndHooks) {
+  for (const std::vector<int>& batches : {std::vector<int>{2, 5}, std::vector<int>{3, 1, 2}}) {
+    on_ranks(static_cast<int>(batches.size()), [&](std::shared_ptr<ProcessGroup> group) {
+      for (bool bf16 : {false, true}) {
+        Case c;
+        c.batches = batches;
+        c.ddp = DDPOptions{.find_unused_parameters = true};
+        c.batch_norm = true;
+        c.bf16_wire = bf16;
+        c.extra_on_even_steps = true;
+        run_case(*group, group, c, bf16 ? 1e-2 : 1e-5);
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// throw_on_early_termination: every rank throws at the first iteration in which some rank is out
+// of inputs (the one that ran out, and the ones that would go on), naming the option.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPJoin, ThrowOnEarlyTerminationStopsEveryRank) {
+  on_ranks(3, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    const std::vector<int> batches{3, 1, 3};
+    auto model = std::make_shared<Net>(false);
+    DistributedDataParallel ddp(model, group);
+    td::optim::SGD opt(model->parameters(), {.lr = 0.1});
+    int done = 0;
+    try {
+      ddp.join(
+          [&] {
+            for (int s = 0; s < batches[rank]; ++s) {
+              opt.zero_grad();
+              loss_of(ddp.forward_with([&] { return model->run(batch(s, rank), true); })).backward();
+              opt.step();
+              ++done;
+            }
+          },
+          {.throw_on_early_termination = true});
+      fail(fmt::format("rank {}: join returned; it should have thrown", rank));
+    } catch (const td::ValueError& e) {
+      const std::string msg = e.what();
+      if (msg.find("throw_on_early_termination") == std::string::npos)
+        fail(fmt::format("rank {}: the error does not name the option: {}", rank, msg));
+    }
+    if (done != 1) fail(fmt::format("rank {}: ran {} iterations before the stop, want 1", rank, done));
+    // The ranks are still aligned: a collective goes through.
+    ddp.check_replicas();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modes join cannot serve are refused before anything runs; enable=false runs the loop as it is.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPJoin, RefusesDeterministicModeSyncBatchNormAndNestingAndCanBeDisabled) {
+  on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
+    auto expect_refused = [](const std::function<void()>& f, const std::string& needle) {
+      try {
+        f();
+      } catch (const td::ValueError& e) {
+        if (std::string(e.what()).find(needle) == std::string::npos) fail(fmt::format("error without '{}': {}", needle, e.what()));
+        return;
+      }
+      fail("join accepted what it should refuse (" + needle + ")");
+    };
+    bool ran = false;
+    {
+      DistributedDataParallel ddp(std::make_shared<Net>(false), group, DDPOptions{.deterministic = true});
+      expect_refused([&] { ddp.join([&] { ran = true; }); }, "deterministic");
+      ddp.join([&] { ran = true; }, {.enable = false});
+      if (!ran) fail("join with enable=false did not run the loop");
+    }
+    {
+      auto model = std::make_shared<Net>(true);
+      td::parallel::convert_sync_batchnorm(*model, group);
+      DistributedDataParallel ddp(model, group);
+      expect_refused([&] { ddp.join([] {}); }, "SyncBatchNorm");
+    }
+    {
+      DistributedDataParallel ddp(std::make_shared<Net>(false), group);
+      expect_refused([&] { ddp.join([&] { ddp.join([] {}); }); }, "nest");
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Without join, uneven inputs end in an error on the rank left waiting (not a hang), which says
+// what to do.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPJoin, WithoutJoinUnevenInputsEndInAnErrorThatPointsToJoin) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = std::make_shared<Net>(false);
+    DistributedDataParallel ddp(model, group);
+    td::optim::SGD opt(model->parameters(), {.lr = 0.1});
+    try {
+      for (int s = 0; s < (rank == 0 ? 1 : 3); ++s) {
+        opt.zero_grad();
+        loss_of(ddp.forward_with([&] { return model->run(batch(s, rank), true); })).backward();
+        opt.step();
+      }
+      if (rank == 1) fail("rank 1 trained on after rank 0 stopped; its gradient all-reduce should have failed");
+    } catch (const td::dist::CommError& e) {
+      // Rank 0 returned (and exited) after one step; rank 1's second backward finds it gone (or,
+      // were rank 0 still there, issuing other collectives).
+      const std::string msg = e.what();
+      if (rank != 1 || msg.find("DistributedDataParallel::join") == std::string::npos)
+        fail(fmt::format("rank {}: unexpected error: {}", rank, msg));
+    }
+  });
+}
