@@ -152,7 +152,8 @@ void bench_gemm(const Args& a, const std::string& dtype) {
 // Forward y = x W^T (+ b) through ops::linear; backward as LinearBackward issues them:
 // dX = g @ W and dW = g^T @ x, with W^T and g^T as strided views.
 void bench_step_gemms(const Args& a, const std::string& dtype) {
-  const td::DType dt = dtype == "bf16" ? td::kBFloat16 : td::kFloat32;
+  // "bf16" and "autocast" (two names for the same autocast step) run their GEMMs in bf16.
+  const td::DType dt = dtype == "bf16" || dtype == "autocast" ? td::kBFloat16 : td::kFloat32;
   const int64_t B = a.batch;
   td::manual_seed(0);
   td::NoGradGuard no_grad;

@@ -86,7 +86,7 @@ def bench_mlp(args, dtype):
 
 def bench_step_gemms(args, dtype):
     """The eight GEMMs of one step, each on its own (what autocast runs them in)."""
-    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    dt = torch.bfloat16 if dtype in ("bf16", "autocast") else torch.float32
     b = args.batch
     torch.manual_seed(0)
     r = lambda *s: torch.randn(*s).to(dt)
