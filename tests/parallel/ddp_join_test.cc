@@ -106,14 +106,17 @@ struct Case {
   bool bf16_wire = false;
   // Step s uses `extra` only when s is even (find_unused_parameters cases).
   bool extra_on_even_steps = false;
+  // Micro-batches per step, all but the last under no_sync (gradient accumulation).
+  int micro = 1;
 };
 
 // Trains with join on this rank's batches and checks the result against the reference.
 void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const Case& c, double rel) {
   const int world = group.size(), rank = group.rank();
-  const std::string what = fmt::format("batches [{}] divide_by_initial={} bucket_view={} find_unused={} bn={} bf16_wire={}",
-                                       fmt::join(c.batches, ","), c.join.divide_by_initial_world_size,
-                                       c.ddp.gradient_as_bucket_view, c.ddp.find_unused_parameters, c.batch_norm, c.bf16_wire);
+  const std::string what = fmt::format(
+      "batches [{}] divide_by_initial={} bucket_view={} find_unused={} bn={} bf16_wire={} micro={}", fmt::join(c.batches, ","),
+      c.join.divide_by_initial_world_size, c.ddp.gradient_as_bucket_view, c.ddp.find_unused_parameters, c.batch_norm,
+      c.bf16_wire, c.micro);
   auto uses_extra = [&](int s) { return !c.extra_on_even_steps || s % 2 == 0; };
   auto model = std::make_shared<Net>(c.batch_norm);
   DistributedDataParallel ddp(model, shared, c.ddp);
@@ -123,7 +126,18 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
       [&] {
         for (int s = 0; s < c.batches[rank]; ++s) {
           opt.zero_grad();
-          loss_of(ddp.forward_with([&] { return model->run(batch(s, rank), uses_extra(s)); })).backward();
+          for (int m = 0; m < c.micro; ++m) {
+            auto loss = [&] {
+              Tensor out = ddp.forward_with([&] { return model->run(batch(10 * s + m, rank), uses_extra(s)); });
+              return td::ops::mul(loss_of(out), 1.0 / c.micro);
+            };
+            if (m + 1 < c.micro) {
+              auto no_sync = ddp.no_sync();
+              loss().backward();
+            } else {
+              loss().backward();
+            }
+          }
           opt.step();
         }
       },
@@ -141,7 +155,11 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
       if (c.batches[r] > s) active.push_back(r);
     }
     const double divisor = c.join.divide_by_initial_world_size ? world : static_cast<double>(active.size());
-    for (int r : active) td::ops::mul(loss_of(reference->run(batch(s, r), uses_extra(s))), 1.0 / divisor).backward();
+    for (int r : active) {
+      for (int m = 0; m < c.micro; ++m) {
+        td::ops::mul(loss_of(reference->run(batch(10 * s + m, r), uses_extra(s))), 1.0 / (divisor * c.micro)).backward();
+      }
+    }
     ref_opt.step();
   }
   expect_params_close(*model, *reference, rel, fmt::format("rank {}: {}", rank, what));
@@ -168,7 +186,8 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
 // sums the ranks' gradients in another order; a few ulps over 6 steps), bitwise equal across ranks
 // after join. Covers: the last rank to finish holding the model; a rank with no batch at all
 // (rank 0 of 3, which is also the root of the bucket rebuild its peers' first iteration triggers);
-// one bucket per parameter (tiny bucket caps); bucket views; both divisors.
+// one bucket per parameter (tiny bucket caps); bucket views; both divisors; gradient accumulation
+// (the first of two micro-batches under no_sync, which a joined rank must not answer).
 // ---------------------------------------------------------------------------------------------
 
 TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
@@ -176,11 +195,14 @@ TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
     on_ranks(static_cast<int>(batches.size()), [&](std::shared_ptr<ProcessGroup> group) {
       for (bool divide_by_initial : {true, false}) {
         for (bool view : {false, true}) {
-          Case c;
-          c.batches = batches;
-          c.ddp = DDPOptions{.bucket_cap_mb = 1e-4, .first_bucket_mb = 1e-4, .gradient_as_bucket_view = view};
-          c.join.divide_by_initial_world_size = divide_by_initial;
-          run_case(*group, group, c, 1e-5);
+          for (int micro : {1, 2}) {
+            Case c;
+            c.batches = batches;
+            c.ddp = DDPOptions{.bucket_cap_mb = 1e-4, .first_bucket_mb = 1e-4, .gradient_as_bucket_view = view};
+            c.join.divide_by_initial_world_size = divide_by_initial;
+            c.micro = micro;
+            run_case(*group, group, c, 1e-5);
+          }
         }
       }
     });
