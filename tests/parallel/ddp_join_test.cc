@@ -235,6 +235,31 @@ TEST(DDPJoin, JoinedRanksAnswerBufferBroadcastsUnusedMapsAndHooks) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// check_replicas_every under join: skipped in iterations some rank sits out (its replica is
+// stale), and after join every rank counts the same forwards, so the checks of the training that
+// follows line up (plain SGD, no optimizer state to drift: the replicas stay equal).
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPJoin, ReplicaChecksLineUpAfterJoin) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = std::make_shared<Net>(false);
+    DistributedDataParallel ddp(model, group, DDPOptions{.check_replicas_every = 2});
+    td::optim::SGD opt(model->parameters(), {.lr = 0.1});
+    auto step = [&](int s) {
+      opt.zero_grad();
+      loss_of(ddp.forward_with([&] { return model->run(batch(s, rank), true); })).backward();
+      opt.step();
+    };
+    ddp.join([&] {
+      for (int s = 0; s < (rank == 0 ? 1 : 4); ++s) step(s);
+    });
+    for (int s = 10; s < 15; ++s) step(s);
+    ddp.check_replicas();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // throw_on_early_termination: every rank throws at the first iteration in which some rank is out
 // of inputs (the one that ran out, and the ones that would go on), naming the option.
 // ---------------------------------------------------------------------------------------------

@@ -283,10 +283,12 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
     if (round.sync) reducer_->shadow_backward();
   }
 
-  // Every rank takes the model of the highest rank among those that trained to the end.
-  Tensor candidate = tensor(std::vector<int64_t>{last ? group_->rank() : -1}, {1});
-  group_->all_reduce(candidate, dist::ReduceOp::MAX)->wait();
-  const int root = static_cast<int>(candidate.data_ptr<int64_t>()[0]);
+  // Every rank takes the model of the highest rank among those that trained to the end, and its
+  // count of training forwards (so check_replicas_every fires at the same forward everywhere).
+  Tensor agree = tensor(std::vector<int64_t>{last ? group_->rank() : -1, forwards_}, {2});
+  group_->all_reduce(agree, dist::ReduceOp::MAX)->wait();
+  const int root = static_cast<int>(agree.data_ptr<int64_t>()[0]);
+  forwards_ = agree.data_ptr<int64_t>()[1];
   NoGradGuard no_grad;
   std::vector<Tensor> all = module_->parameters();
   for (auto& b : module_->buffers()) all.push_back(b);
