@@ -9,8 +9,8 @@
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
-#include "tandem/optim/optimizer.h"
 #include "tandem/nn/norm.h"
+#include "tandem/optim/optimizer.h"
 
 namespace tandem::parallel {
 namespace {
@@ -189,7 +189,7 @@ void DistributedDataParallel::before_forward() {
     const JoinRound round = join_round(true, autograd::is_grad_enabled() && require_sync_);
     if (join_options_.throw_on_early_termination && round.active < group_->size()) {
       throw ValueError(fmt::format(
-          "DistributedDataParallel.join: {} of {} ranks ran out of inputs before rank {}; with "
+          "DistributedDataParallel.join: {} of {} ranks have run out of inputs (rank {} has not); with "
           "throw_on_early_termination every rank stops here. Give every rank the same number of batches "
           "(DistributedSampler pads), or join without throw_on_early_termination to go on without them",
           group_->size() - round.active, group_->size(), group_->rank()));
