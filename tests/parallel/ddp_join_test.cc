@@ -209,6 +209,24 @@ TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
   }
 }
 
+// The same over gloo (another backend's collectives; no collective-mismatch detection there, so a
+// wrong answer would show as a timeout or a wrong result).
+TEST(DDPJoin, UnevenInputsOverGloo) {
+  td::testing::on_ranks(
+      3,
+      [&](std::shared_ptr<ProcessGroup> group) {
+        for (bool divide_by_initial : {true, false}) {
+          Case c;
+          c.batches = {2, 0, 3};
+          c.ddp = DDPOptions{.bucket_cap_mb = 1e-4, .first_bucket_mb = 1e-4};
+          c.join.divide_by_initial_world_size = divide_by_initial;
+          c.micro = 2;
+          run_case(*group, group, c, 1e-5);
+        }
+      },
+      std::chrono::seconds(120), std::chrono::seconds(15), "gloo");
+}
+
 // ---------------------------------------------------------------------------------------------
 // What a joined rank must also answer: buffer broadcasts (BatchNorm running statistics, from the
 // highest rank still training), the unused-parameter map (find_unused_parameters, `extra` unused

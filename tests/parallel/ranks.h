@@ -14,9 +14,10 @@ namespace tandem::testing {
 
 using RankFn = std::function<void(std::shared_ptr<dist::ProcessGroup>)>;
 
-// Runs fn(group) on n forked ranks over shm, one thread each; rethrows the first rank's failure.
-// spawn_timeout bounds the whole run, group_timeout every collective.
-inline void on_ranks(int n, const RankFn& fn, std::chrono::seconds spawn_timeout, std::chrono::seconds group_timeout) {
+// Runs fn(group) on n forked ranks over `backend` (shm unless given), one thread each; rethrows
+// the first rank's failure. spawn_timeout bounds the whole run, group_timeout every collective.
+inline void on_ranks(int n, const RankFn& fn, std::chrono::seconds spawn_timeout, std::chrono::seconds group_timeout,
+                     const std::string& backend = "shm") {
   dist::SpawnOptions options;
   options.timeout = spawn_timeout;
   options.env["TANDEM_NUM_THREADS"] = "1";
@@ -24,7 +25,7 @@ inline void on_ranks(int n, const RankFn& fn, std::chrono::seconds spawn_timeout
   dist::spawn(
       n,
       [&](int) {
-        auto group = dist::init_process_group({.backend = "shm", .timeout = group_timeout});
+        auto group = dist::init_process_group({.backend = backend, .timeout = group_timeout});
         fn(group);
         dist::destroy_process_group();
       },
