@@ -52,4 +52,5 @@
 #include "tandem/optim/sgd.h"
 #include "tandem/optim/swa_utils.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/powersgd.h"
 #include "tandem/parallel/sync_batch_norm.h"

@@ -358,7 +358,7 @@ void Reducer::launch(int64_t bi) {
   gb.buffer = b.flat;
   gb.is_last = bi + 1 == static_cast<int64_t>(buckets_.size());
   if (hook_) {
-    for (int64_t p : b.params) gb.parameter_names.push_back(params_[p].name);  // only a user hook reads them
+    describe_for_hook(bi, gb);  // only a user hook reads them
     b.result = hook_(*group_, gb);
   } else {
     b.result = allreduce_hook(*group_, gb);
@@ -366,6 +366,16 @@ void Reducer::launch(int64_t bi) {
   TANDEM_CHECK(b.result.work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
   b.launched = true;
   timings_[bi].launch_s = now_s();
+}
+
+void Reducer::describe_for_hook(int64_t bi, GradBucket& gb) const {
+  const Bucket& b = buckets_[bi];
+  for (int64_t p : b.params) {
+    const Param& param = params_[p];
+    gb.parameter_names.push_back(param.name);
+    const Shape& shape = param.tensor.shape();
+    gb.gradients.push_back(make_view(gb.buffer, shape, contiguous_strides(shape), gb.buffer.offset() + param.offset));
+  }
 }
 
 void Reducer::finalize() {
@@ -519,7 +529,7 @@ void Reducer::shadow_backward() {
     gb.buffer = zeros({b.numel}, b.dtype);
     gb.is_last = bi + 1 == buckets_.size();
     if (hook_) {
-      for (int64_t p : b.params) gb.parameter_names.push_back(params_[p].name);
+      describe_for_hook(static_cast<int64_t>(bi), gb);
       results[bi] = hook_(*group_, gb);
     } else {
       results[bi] = allreduce_hook(*group_, gb);

@@ -40,6 +40,9 @@ struct GradBucket {
   int64_t index = 0;
   Tensor buffer;                        // flat, the bucket's dtype; holds the local gradients
   std::vector<std::string> parameter_names;
+  // Each parameter's gradient as a view of `buffer` in the parameter's shape, in bucket order
+  // (torch's GradBucket.gradients()); set for hooks other than the default.
+  std::vector<Tensor> gradients;
   bool is_last = false;                 // the last bucket of this iteration
 };
 
@@ -147,6 +150,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool reads_slots() const { return !local_only_ || options_.gradient_as_bucket_view; }
   void launch_ready_buckets();
   void launch(int64_t bucket);
+  // For a hook: the parameters' names and gradient views of bucket `bi` over `buffer`.
+  void describe_for_hook(int64_t bi, GradBucket& gb) const;
   void finalize();
   void finalize_deterministic();
   // The one-time rebuild in rank 0's ready order (a collective: a broadcast from rank 0).

@@ -1,0 +1,77 @@
+// PowerSGD gradient compression as a DDP communication hook (torch's
+// torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook, Vogels et al. 2019): each gradient
+// matrix M (a parameter's gradient viewed as rows x the rest) is sent as two thin factors,
+// P = M Q (all-reduced, then orthonormalised) and Q = M^T P (all-reduced, averaged), and replaced
+// by P Q^T: (rows + cols) * rank numbers on the wire instead of rows * cols. Gradients too small
+// to gain (vectors, biases, or below min_compression_rate) go through one plain all-reduce per
+// bucket. Error feedback keeps what the approximation lost on each rank and adds it to the next
+// step's gradient; warm start reuses Q from the previous step (P and Q are kept per bucket).
+//
+//   auto state = std::make_shared<tandem::parallel::PowerSGDState>(
+//       tandem::parallel::PowerSGDOptions{.matrix_approximation_rank = 2, .start_powerSGD_iter = 100});
+//   ddp.register_comm_hook(tandem::parallel::powerSGD_hook(state));
+//
+// The first start_powerSGD_iter iterations use the plain average (allreduce_hook). Buckets that
+// are not f32 (O2's bf16 / f16 parameters) always do. The result of a step is the same on every
+// rank (bit for bit); it is an approximation of the average, exact when the rank reaches the
+// smaller side of every compressed matrix.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+
+#include "tandem/core/rng.h"
+#include "tandem/parallel/reducer.h"
+
+namespace tandem::parallel {
+
+// torch's PowerSGDState arguments and defaults.
+struct PowerSGDOptions {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;
+  // Compress a rows x cols matrix only when (rows + cols) * rank * min_compression_rate < rows * cols.
+  double min_compression_rate = 2;
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  // Added to each column's norm before dividing. (A column in the span of the earlier ones, a
+  // zero one included, becomes zero whatever the epsilon.)
+  double orthogonalization_epsilon = 0;
+  uint64_t random_seed = 0;  // the initial Q of every step is drawn from this stream, the same on every rank
+};
+
+class PowerSGDState {
+ public:
+  // Throws ValueError for a rank below 1, a negative rate, or start_powerSGD_iter <= 1 with error
+  // feedback or warm start (the bucket rebuild after the first iteration changes the layout
+  // those keep state for).
+  explicit PowerSGDState(PowerSGDOptions options = {});
+
+  const PowerSGDOptions& options() const { return options_; }
+  // Iterations seen (counted at each iteration's last bucket).
+  int64_t iter() const { return iter_; }
+  // Elements the compressible gradients would have sent, and sent instead, since construction.
+  struct CompressionStats {
+    double rate = 0;  // before / after (0 before any compression)
+    int64_t numel_before = 0, numel_after = 0;
+  };
+  CompressionStats compression_stats() const;
+  // Bucket `bucket`'s local error (error feedback), undefined before its first compressed step.
+  Tensor error(int64_t bucket) const;
+
+ private:
+  friend HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& state, dist::ProcessGroup& group,
+                                    GradBucket& bucket);
+  void maybe_increase_iter(const GradBucket& bucket);
+
+  PowerSGDOptions options_;
+  Generator rng_;
+  int64_t iter_ = 0;
+  int64_t numel_before_ = 0, numel_after_ = 0;
+  std::map<int64_t, Tensor> error_, p_memory_, q_memory_;
+};
+
+// The hook to register on DistributedDataParallel (ddp.register_comm_hook).
+CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state);
+
+}  // namespace tandem::parallel

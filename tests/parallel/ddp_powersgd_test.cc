@@ -1,0 +1,293 @@
+// PowerSGD as a DDP communication hook (parallel/powersgd.h). What is checked, on 2 and 3 forked
+// ranks over shm: the plain average before start_powerSGD_iter (bit for bit); the exact average
+// (to f32 rounding) when the rank covers every compressed matrix; at rank 1 with error feedback,
+// results equal on every rank, rank-1 compressed gradients, and nothing lost: the average of what
+// the ranks put in (their gradients plus their previous errors) equals the result plus the
+// average of their new errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "tandem/autograd/grad_mode.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/ops/elementwise.h"
+#include "tandem/ops/linalg.h"
+#include "tandem/ops/reduce.h"
+#include "tandem/ops/shape.h"
+#include "tandem/optim/sgd.h"
+#include "tandem/parallel/ddp.h"
+#include "tandem/parallel/powersgd.h"
+#include "parallel/ranks.h"
+#include "util/test_util.h"
+
+namespace td = tandem;
+using td::Tensor;
+using td::dist::ProcessGroup;
+using td::parallel::DDPOptions;
+using td::parallel::DistributedDataParallel;
+using td::parallel::PowerSGDOptions;
+using td::parallel::PowerSGDState;
+
+namespace {
+
+void on_ranks(int n, const td::testing::RankFn& fn) {
+  td::testing::on_ranks(n, fn, std::chrono::seconds(120), std::chrono::seconds(20));
+}
+using td::testing::fail;
+
+// x -> linear(w1 12x16, b1) -> tanh -> linear(w2 5x12, b2) -> tanh -> linear(w3 20x5): three
+// matrices worth compressing at rank 1 (wide and tall) and two vectors that are not (at the
+// default rate).
+struct Net : td::nn::Module {
+  Net() : Module("Net") {
+    td::Generator gen(21);
+    w1 = register_parameter("w1", td::ops::mul(td::randn({12, 16}, td::kFloat32, &gen), 0.3));
+    b1 = register_parameter("b1", td::ops::mul(td::randn({12}, td::kFloat32, &gen), 0.1));
+    w2 = register_parameter("w2", td::ops::mul(td::randn({5, 12}, td::kFloat32, &gen), 0.3));
+    b2 = register_parameter("b2", td::ops::mul(td::randn({5}, td::kFloat32, &gen), 0.1));
+    w3 = register_parameter("w3", td::ops::mul(td::randn({20, 5}, td::kFloat32, &gen), 0.3));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = td::ops::tanh(td::ops::linear(td::ops::tanh(td::ops::linear(x, w1, b1)), w2, b2));
+    return td::ops::linear(h, w3);
+  }
+  Tensor w1, b1, w2, b2, w3;
+};
+
+Tensor batch(int step, int rank) {
+  td::Generator gen(static_cast<uint64_t>(900 + 31 * step + rank));
+  return td::randn({7, 16}, td::kFloat32, &gen);
+}
+// Regression on random targets (a loss of the output alone would give w3 a gradient whose columns
+// lie in w3's own column space on every rank, which hides a Q that differs across ranks).
+Tensor target(int step, int rank) {
+  td::Generator gen(static_cast<uint64_t>(5000 + 31 * step + rank));
+  return td::randn({7, 20}, td::kFloat32, &gen);
+}
+Tensor loss_of(const Tensor& out, const Tensor& y) {
+  Tensor d = td::ops::sub(out, y);
+  return td::ops::mul(td::ops::sum(td::ops::mul(d, d)), 1.0 / d.numel());
+}
+
+double rel_diff(const Tensor& a, const Tensor& b) {
+  Tensor x = a.to(td::kFloat64).contiguous(), y = b.to(td::kFloat64).contiguous();
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double d = x.data_ptr<double>()[i] - y.data_ptr<double>()[i];
+    num += d * d;
+    den += y.data_ptr<double>()[i] * y.data_ptr<double>()[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  Tensor x = a.contiguous(), y = b.contiguous();
+  return x.shape() == y.shape() && std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.nbytes())) == 0;
+}
+
+// The sum over ranks.
+Tensor sum_over_ranks(ProcessGroup& group, const Tensor& t) {
+  Tensor s = t.contiguous().clone();
+  group.all_reduce(s, td::dist::ReduceOp::SUM)->wait();
+  return s;
+}
+
+bool same_everywhere(ProcessGroup& group, const Tensor& t) {
+  Tensor c = t.contiguous();
+  Tensor all = td::empty({c.numel() * group.size()}, c.dtype());
+  group.all_gather(td::dist::as_buffer(all), td::dist::as_buffer(c))->wait();
+  const size_t bytes = static_cast<size_t>(c.nbytes());
+  const auto* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 1; r < group.size(); ++r) {
+    if (std::memcmp(base, base + r * bytes, bytes) != 0) return false;
+  }
+  return true;
+}
+
+// This rank's own gradients (no averaging), from a copy of the model's current parameters.
+std::vector<Tensor> local_grads(const Net& model, const Tensor& x, const Tensor& y) {
+  Net copy;
+  {
+    td::NoGradGuard no_grad;
+    auto src = model.parameters(), dst = copy.parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  loss_of(copy.forward(x), y).backward();
+  std::vector<Tensor> g;
+  for (auto& p : copy.parameters()) g.push_back(p.grad().clone());
+  return g;
+}
+
+}  // namespace
+
+// Before start_powerSGD_iter the hook is the plain average: the same gradients, bit for bit, as
+// DDP without a hook. From then on the compressed ones differ (a rank-1 approximation).
+TEST(DDPPowerSGD, IsThePlainAverageBeforeStartIter) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
+    DistributedDataParallel with(a, group), without(b, group);
+    auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.start_powerSGD_iter = 3});
+    with.register_comm_hook(td::parallel::powerSGD_hook(state));
+    for (int s = 0; s < 4; ++s) {
+      a->zero_grad();
+      b->zero_grad();
+      loss_of(with(batch(s, rank)), target(s, rank)).backward();
+      loss_of(without(batch(s, rank)), target(s, rank)).backward();
+      const bool equal = bitwise_equal(a->w1.grad(), b->w1.grad()) && bitwise_equal(a->w2.grad(), b->w2.grad()) &&
+                         bitwise_equal(a->b1.grad(), b->b1.grad());
+      if (s < 3 && !equal) fail(fmt::format("rank {} step {}: gradients differ from the plain average before start", rank, s));
+      if (s == 3 && bitwise_equal(a->w1.grad(), b->w1.grad()))
+        fail(fmt::format("rank {} step 3: w1's gradient is still the plain average; PowerSGD did not start", rank));
+      if (state->iter() != s + 1) fail(fmt::format("rank {} step {}: iter() is {}", rank, s, state->iter()));
+    }
+    const auto st = state->compression_stats();
+    // w1 12x16 -> 28, w2 5x12 -> 17, w3 20x5 -> 25 at rank 1; the biases go as they are.
+    if (st.numel_before != 12 * 16 + 12 + 5 * 12 + 5 + 20 * 5 || st.numel_after != 28 + 12 + 17 + 5 + 25)
+      fail(fmt::format("compression stats {} -> {}", st.numel_before, st.numel_after));
+  });
+}
+
+// With the rank at least the smaller side of every matrix, P spans the summed matrix's columns (for
+// the tall w3 only if every rank drew the same Q) and P Q^T is the average itself (vectors too, compressed as one column at min_compression_rate 0):
+// equal to the plain average within f32 rounding of the three products and the orthogonalisation,
+// which the orthogonalisation amplifies by the condition number of M Q (a random Q): rel 1e-4
+// (f32 eps 6e-8 times conditions up to ~1e3; measured up to 2e-5 here).
+TEST(DDPPowerSGD, FullRankIsTheAverage) {
+  for (int world : {2, 3}) {
+    on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) {
+      const int rank = group->rank();
+      auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
+      DistributedDataParallel with(a, group), without(b, group);
+      auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 16,
+                                                                   .start_powerSGD_iter = 0,
+                                                                   .min_compression_rate = 0,
+                                                                   .use_error_feedback = false,
+                                                                   .warm_start = false});
+      with.register_comm_hook(td::parallel::powerSGD_hook(state));
+      for (int s = 0; s < 3; ++s) {
+        a->zero_grad();
+        b->zero_grad();
+        loss_of(with(batch(s, rank)), target(s, rank)).backward();
+        loss_of(without(batch(s, rank)), target(s, rank)).backward();
+        auto ga = a->named_parameters(), gb = b->named_parameters();
+        for (size_t i = 0; i < ga.size(); ++i) {
+          const double d = rel_diff(ga[i].second.grad(), gb[i].second.grad());
+          if (!(d <= 1e-4))
+            fail(fmt::format("world {} rank {} step {}: '{}' differs from the average by rel {:.3g}", world, rank, s,
+                             ga[i].first, d));
+          if (!same_everywhere(*group, ga[i].second.grad())) fail(fmt::format("'{}' differs across ranks", ga[i].first));
+        }
+      }
+      if (state->compression_stats().numel_after <= 0) fail("nothing went through PowerSGD");
+    });
+  }
+}
+
+// Rank-deficient gradients at full rank: 2 ranks x 2 samples give a 12x16 gradient of rank <= 4,
+// so P = M Q has dependent columns; they must come out as zero columns, not normalised rounding
+// noise, for P Q^T to stay the average (within rel 1e-4 as above).
+TEST(DDPPowerSGD, RankDeficientGradientsStayExactAtFullRank) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
+    DistributedDataParallel with(a, group), without(b, group);
+    auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 16,
+                                                                 .start_powerSGD_iter = 0,
+                                                                 .min_compression_rate = 0,
+                                                                 .use_error_feedback = false,
+                                                                 .warm_start = false});
+    with.register_comm_hook(td::parallel::powerSGD_hook(state));
+    for (int s = 0; s < 3; ++s) {
+      const Tensor x = batch(s, rank).narrow(0, 0, 2), y = target(s, rank).narrow(0, 0, 2);
+      a->zero_grad();
+      b->zero_grad();
+      loss_of(with(x), y).backward();
+      loss_of(without(x), y).backward();
+      auto ga = a->named_parameters(), gb = b->named_parameters();
+      for (size_t i = 0; i < ga.size(); ++i) {
+        const double d = rel_diff(ga[i].second.grad(), gb[i].second.grad());
+        if (!(d <= 1e-4))
+          fail(fmt::format("rank {} step {}: '{}' differs from the average by rel {:.3g}", rank, s, ga[i].first, d));
+      }
+    }
+  });
+}
+
+// Rank 1 with error feedback and warm start: every rank gets the same gradients; w1's, w2's and
+// w3's are rank 1 (every row parallel to the largest); and nothing is lost: sum over ranks of (local
+// gradient + previous error) = world x result + sum over ranks of the new error, per element,
+// within f32 rounding (rel 1e-5 of the norm).
+TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    const double world = group->size();
+    auto model = std::make_shared<Net>();
+    DistributedDataParallel ddp(model, group);
+    auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.start_powerSGD_iter = 2});
+    ddp.register_comm_hook(td::parallel::powerSGD_hook(state));
+    td::optim::SGD opt(model->parameters(), {.lr = 0.1});
+    for (int s = 0; s < 6; ++s) {
+      const Tensor x = batch(s, rank), y = target(s, rank);
+      const std::vector<Tensor> local = local_grads(*model, x, y);
+      const auto layout = ddp.reducer().bucket_indices();
+      std::vector<Tensor> before;
+      for (size_t bi = 0; bi < layout.size(); ++bi) {
+        Tensor e = state->error(static_cast<int64_t>(bi));
+        before.push_back(e.defined() ? e.clone() : Tensor());
+      }
+      opt.zero_grad();
+      loss_of(ddp(x), y).backward();
+      auto params = model->parameters();
+      for (auto& p : params) {
+        if (!same_everywhere(*group, p.grad())) fail(fmt::format("step {}: a gradient differs across ranks", s));
+      }
+      if (s >= 2) {
+        for (const Tensor* w : {&model->w1, &model->w2, &model->w3}) {
+          Tensor g = w->grad().to(td::kFloat64).contiguous();
+          const int64_t n = g.size(0), m = g.size(1);
+          const double* a = g.data_ptr<double>();
+          int64_t best = 0;
+          double best_norm = 0;
+          for (int64_t r = 0; r < n; ++r) {
+            double nr = 0;
+            for (int64_t c = 0; c < m; ++c) nr += a[r * m + c] * a[r * m + c];
+            if (nr > best_norm) best_norm = nr, best = r;
+          }
+          for (int64_t r = 0; r < n; ++r) {
+            double dot = 0, nr = 0;
+            for (int64_t c = 0; c < m; ++c) dot += a[r * m + c] * a[best * m + c], nr += a[r * m + c] * a[r * m + c];
+            const double residual2 = nr - dot * dot / best_norm;
+            if (residual2 > 1e-8 * nr + 1e-30) fail(fmt::format("step {}: a compressed gradient is not rank 1 (row {})", s, r));
+          }
+        }
+        // Conservation, bucket by bucket (each bucket's state is in its own flat layout).
+        for (size_t bi = 0; bi < layout.size(); ++bi) {
+          std::vector<Tensor> in, out;
+          for (int64_t p : layout[bi]) {
+            in.push_back(local[static_cast<size_t>(p)].reshape({-1}));
+            out.push_back(params[static_cast<size_t>(p)].grad().reshape({-1}));
+          }
+          Tensor input = td::ops::cat(in, 0), result = td::ops::cat(out, 0);
+          if (before[bi].defined()) input = td::ops::add(input, before[bi]);
+          Tensor after = state->error(static_cast<int64_t>(bi));
+          if (!after.defined()) fail(fmt::format("step {}: bucket {} has no error state", s, bi));
+          Tensor lhs = sum_over_ranks(*group, input);
+          Tensor rhs = td::ops::add(td::ops::mul(result, world), sum_over_ranks(*group, after));
+          const double d = rel_diff(rhs, lhs);
+          if (!(d <= 1e-5)) fail(fmt::format("step {} bucket {}: lost rel {:.3g} of the gradient", s, bi, d));
+        }
+      }
+      opt.step();
+    }
+  });
+}
+
+TEST(DDPPowerSGD, RejectsOptionsItCannotServe) {
+  EXPECT_THROW(PowerSGDState(PowerSGDOptions{.matrix_approximation_rank = 0}), td::ValueError);
+  EXPECT_THROW(PowerSGDState(PowerSGDOptions{.start_powerSGD_iter = 1}), td::ValueError);
+  EXPECT_THROW(PowerSGDState(PowerSGDOptions{.min_compression_rate = -1}), td::ValueError);
+  EXPECT_NO_THROW(PowerSGDState(PowerSGDOptions{.start_powerSGD_iter = 0, .use_error_feedback = false, .warm_start = false}));
+  EXPECT_THROW(td::parallel::powerSGD_hook(nullptr), td::ValueError);
+}
