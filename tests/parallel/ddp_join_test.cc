@@ -41,6 +41,7 @@ void on_ranks(int n, const td::testing::RankFn& fn) {
   td::testing::on_ranks(n, fn, std::chrono::seconds(120), std::chrono::seconds(15));
 }
 using td::testing::fail;
+using td::testing::same_everywhere;
 
 // x -> linear(w1, b1) [-> BatchNorm1d] -> tanh -> linear(w2) [+ extra]. Seeded, so every rank and
 // the reference start from the same values.
@@ -71,33 +72,13 @@ Tensor batch(int step, int rank) {
   return td::randn({5, 6}, td::kFloat32, &gen);
 }
 
-// Norm-wise relative difference of all parameters together, and of each.
+// Each parameter's norm-wise relative difference from the reference's.
 void expect_params_close(const td::nn::Module& got, const td::nn::Module& want, double rel, const std::string& what) {
   auto g = got.named_parameters(), w = want.named_parameters();
   for (size_t i = 0; i < g.size(); ++i) {
-    Tensor a = g[i].second.to(td::kFloat64).contiguous(), b = w[i].second.to(td::kFloat64).contiguous();
-    double num = 0, den = 0;
-    for (int64_t k = 0; k < a.numel(); ++k) {
-      const double d = a.data_ptr<double>()[k] - b.data_ptr<double>()[k];
-      num += d * d;
-      den += b.data_ptr<double>()[k] * b.data_ptr<double>()[k];
-    }
-    const double r = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    const double r = td::testing::rel_diff(g[i].second, w[i].second);
     if (!(r <= rel)) fail(fmt::format("{}: parameter '{}' differs from the reference by rel {:.3g} (limit {:.1g})", what, g[i].first, r, rel));
   }
-}
-
-// Whether `t` is bitwise the same on every rank.
-bool same_everywhere(ProcessGroup& group, const Tensor& t) {
-  Tensor c = t.contiguous();
-  Tensor all = td::empty({c.numel() * group.size()}, c.dtype());
-  group.all_gather(td::dist::as_buffer(all), td::dist::as_buffer(c))->wait();
-  const size_t bytes = static_cast<size_t>(c.nbytes());
-  const auto* base = static_cast<const char*>(all.data_ptr());
-  for (int r = 1; r < group.size(); ++r) {
-    if (std::memcmp(base, base + r * bytes, bytes) != 0) return false;
-  }
-  return true;
 }
 
 struct Case {

@@ -35,6 +35,8 @@ void on_ranks(int n, const td::testing::RankFn& fn) {
   td::testing::on_ranks(n, fn, std::chrono::seconds(120), std::chrono::seconds(20));
 }
 using td::testing::fail;
+using td::testing::rel_diff;
+using td::testing::same_everywhere;
 
 // x -> linear(w1 12x16, b1) -> tanh -> linear(w2 5x12, b2) -> tanh -> linear(w3 20x5): three
 // matrices worth compressing at rank 1 (wide and tall) and two vectors that are not (at the
@@ -70,17 +72,6 @@ Tensor loss_of(const Tensor& out, const Tensor& y) {
   return td::ops::mul(td::ops::sum(td::ops::mul(d, d)), 1.0 / d.numel());
 }
 
-double rel_diff(const Tensor& a, const Tensor& b) {
-  Tensor x = a.to(td::kFloat64).contiguous(), y = b.to(td::kFloat64).contiguous();
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double d = x.data_ptr<double>()[i] - y.data_ptr<double>()[i];
-    num += d * d;
-    den += y.data_ptr<double>()[i] * y.data_ptr<double>()[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
-
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   Tensor x = a.contiguous(), y = b.contiguous();
   return x.shape() == y.shape() && std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.nbytes())) == 0;
@@ -91,18 +82,6 @@ Tensor sum_over_ranks(ProcessGroup& group, const Tensor& t) {
   Tensor s = t.contiguous().clone();
   group.all_reduce(s, td::dist::ReduceOp::SUM)->wait();
   return s;
-}
-
-bool same_everywhere(ProcessGroup& group, const Tensor& t) {
-  Tensor c = t.contiguous();
-  Tensor all = td::empty({c.numel() * group.size()}, c.dtype());
-  group.all_gather(td::dist::as_buffer(all), td::dist::as_buffer(c))->wait();
-  const size_t bytes = static_cast<size_t>(c.nbytes());
-  const auto* base = static_cast<const char*>(all.data_ptr());
-  for (int r = 1; r < group.size(); ++r) {
-    if (std::memcmp(base, base + r * bytes, bytes) != 0) return false;
-  }
-  return true;
 }
 
 // This rank's own gradients (no averaging), from a copy of the model's current parameters.
@@ -154,65 +133,48 @@ TEST(DDPPowerSGD, IsThePlainAverageBeforeStartIter) {
 // equal to the plain average within f32 rounding of the three products and the orthogonalisation,
 // which the orthogonalisation amplifies by the condition number of M Q (a random Q): rel 1e-4
 // (f32 eps 6e-8 times conditions up to ~1e3; measured up to 2e-5 here).
+// Three steps of DDP with full-rank PowerSGD (no error feedback, no warm start) against DDP with
+// the plain average, on `samples` samples per rank: every gradient within rel 1e-4 of the average
+// and the same on every rank.
+void expect_full_rank_is_the_average(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, int64_t samples) {
+  const int rank = group.rank();
+  auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
+  DistributedDataParallel with(a, shared), without(b, shared);
+  auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 16,
+                                                               .start_powerSGD_iter = 0,
+                                                               .min_compression_rate = 0,
+                                                               .use_error_feedback = false,
+                                                               .warm_start = false});
+  with.register_comm_hook(td::parallel::powerSGD_hook(state));
+  for (int s = 0; s < 3; ++s) {
+    const Tensor x = batch(s, rank).narrow(0, 0, samples), y = target(s, rank).narrow(0, 0, samples);
+    a->zero_grad();
+    b->zero_grad();
+    loss_of(with(x), y).backward();
+    loss_of(without(x), y).backward();
+    auto ga = a->named_parameters(), gb = b->named_parameters();
+    for (size_t i = 0; i < ga.size(); ++i) {
+      const double d = rel_diff(ga[i].second.grad(), gb[i].second.grad());
+      if (!(d <= 1e-4))
+        fail(fmt::format("world {} rank {} step {} ({} samples): '{}' differs from the average by rel {:.3g}",
+                         group.size(), rank, s, samples, ga[i].first, d));
+      if (!same_everywhere(group, ga[i].second.grad())) fail(fmt::format("'{}' differs across ranks", ga[i].first));
+    }
+  }
+  if (state->compression_stats().numel_after <= 0) fail("nothing went through PowerSGD");
+}
+
 TEST(DDPPowerSGD, FullRankIsTheAverage) {
   for (int world : {2, 3}) {
-    on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) {
-      const int rank = group->rank();
-      auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
-      DistributedDataParallel with(a, group), without(b, group);
-      auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 16,
-                                                                   .start_powerSGD_iter = 0,
-                                                                   .min_compression_rate = 0,
-                                                                   .use_error_feedback = false,
-                                                                   .warm_start = false});
-      with.register_comm_hook(td::parallel::powerSGD_hook(state));
-      for (int s = 0; s < 3; ++s) {
-        a->zero_grad();
-        b->zero_grad();
-        loss_of(with(batch(s, rank)), target(s, rank)).backward();
-        loss_of(without(batch(s, rank)), target(s, rank)).backward();
-        auto ga = a->named_parameters(), gb = b->named_parameters();
-        for (size_t i = 0; i < ga.size(); ++i) {
-          const double d = rel_diff(ga[i].second.grad(), gb[i].second.grad());
-          if (!(d <= 1e-4))
-            fail(fmt::format("world {} rank {} step {}: '{}' differs from the average by rel {:.3g}", world, rank, s,
-                             ga[i].first, d));
-          if (!same_everywhere(*group, ga[i].second.grad())) fail(fmt::format("'{}' differs across ranks", ga[i].first));
-        }
-      }
-      if (state->compression_stats().numel_after <= 0) fail("nothing went through PowerSGD");
-    });
+    on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) { expect_full_rank_is_the_average(*group, group, 7); });
   }
 }
 
 // Rank-deficient gradients at full rank: 2 ranks x 2 samples give a 12x16 gradient of rank <= 4,
-// so P = M Q has dependent columns; they must come out as zero columns, not normalised rounding
-// noise, for P Q^T to stay the average (within rel 1e-4 as above).
+// so P = M Q has dependent columns; they must not turn into normalised rounding noise that is not
+// orthogonal to the rest, for P Q^T to stay the average (within rel 1e-4 as above).
 TEST(DDPPowerSGD, RankDeficientGradientsStayExactAtFullRank) {
-  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
-    const int rank = group->rank();
-    auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
-    DistributedDataParallel with(a, group), without(b, group);
-    auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 16,
-                                                                 .start_powerSGD_iter = 0,
-                                                                 .min_compression_rate = 0,
-                                                                 .use_error_feedback = false,
-                                                                 .warm_start = false});
-    with.register_comm_hook(td::parallel::powerSGD_hook(state));
-    for (int s = 0; s < 3; ++s) {
-      const Tensor x = batch(s, rank).narrow(0, 0, 2), y = target(s, rank).narrow(0, 0, 2);
-      a->zero_grad();
-      b->zero_grad();
-      loss_of(with(x), y).backward();
-      loss_of(without(x), y).backward();
-      auto ga = a->named_parameters(), gb = b->named_parameters();
-      for (size_t i = 0; i < ga.size(); ++i) {
-        const double d = rel_diff(ga[i].second.grad(), gb[i].second.grad());
-        if (!(d <= 1e-4))
-          fail(fmt::format("rank {} step {}: '{}' differs from the average by rel {:.3g}", rank, s, ga[i].first, d));
-      }
-    }
-  });
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) { expect_full_rank_is_the_average(*group, group, 2); });
 }
 
 // Rank 1 with error feedback and warm start: every rank gets the same gradients; w1's, w2's and

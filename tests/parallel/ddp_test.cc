@@ -44,18 +44,7 @@ void on_ranks(int n, const td::testing::RankFn& fn) {
   td::testing::on_ranks(n, fn, std::chrono::seconds(240), std::chrono::seconds(60));
 }
 using td::testing::fail;
-
-// Norm-wise relative difference ||a - b|| / ||b|| (f64), the "rel" of the acceptance criteria.
-double rel_diff(const Tensor& a, const Tensor& b) {
-  Tensor x = a.to(td::kFloat64).contiguous(), y = b.to(td::kFloat64).contiguous();
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double d = x.data_ptr<double>()[i] - y.data_ptr<double>()[i];
-    num += d * d;
-    den += y.data_ptr<double>()[i] * y.data_ptr<double>()[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
+using td::testing::rel_diff;
 
 // Compares two models' state (parameters and buffers): the norm-wise relative difference of
 // everything together must be <= `rel` (the acceptance figure), and of each tensor <= `per_tensor`.

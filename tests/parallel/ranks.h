@@ -1,7 +1,10 @@
 // What the parallel tests share: running a test body on ranks forked over shm.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -34,5 +37,30 @@ inline void on_ranks(int n, const RankFn& fn, std::chrono::seconds spawn_timeout
 
 // A rank's failure, as an exception the spawner reports.
 [[noreturn]] inline void fail(const std::string& what) { throw Error(what); }
+
+// Norm-wise relative difference ||a - b|| / ||b|| (f64), the "rel" of the acceptance criteria.
+inline double rel_diff(const Tensor& a, const Tensor& b) {
+  Tensor x = a.to(kFloat64).contiguous(), y = b.to(kFloat64).contiguous();
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double d = x.data_ptr<double>()[i] - y.data_ptr<double>()[i];
+    num += d * d;
+    den += y.data_ptr<double>()[i] * y.data_ptr<double>()[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+// Whether `t` holds the same bytes on every rank of `group` (a collective).
+inline bool same_everywhere(dist::ProcessGroup& group, const Tensor& t) {
+  Tensor c = t.contiguous();
+  Tensor all = empty({c.numel() * group.size()}, c.dtype());
+  group.all_gather(dist::as_buffer(all), dist::as_buffer(c))->wait();
+  const size_t bytes = static_cast<size_t>(c.nbytes());
+  const auto* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 1; r < group.size(); ++r) {
+    if (std::memcmp(base, base + r * bytes, bytes) != 0) return false;
+  }
+  return true;
+}
 
 }  // namespace tandem::testing
