@@ -18,6 +18,7 @@
 #include "tandem/amp/autocast.h"
 #include "tandem/dist/spawn.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/powersgd.h"
 
 namespace td = tandem;
 using td::Tensor;
@@ -29,6 +30,10 @@ struct Args : td::bench::CommonArgs {
   int nproc = 1;
   int64_t batch = 0;  // per rank; 0: the workload's default (w1 128, w2 64, w3 8)
   td::parallel::DDPOptions ddp;  // PyTorch's defaults unless a flag changes them (profiling)
+  // none | fp16 | bf16 | powersgd (rank --powersgd-rank, from the 3rd iteration, error feedback and
+  // warm start on: torch's defaults but start_powerSGD_iter, which the warmup steps pass).
+  std::string comm_hook = "none";
+  int64_t powersgd_rank = 1;
 };
 
 struct Phases {
@@ -95,6 +100,16 @@ void run_rank(const Args& a) {
     }
   }
   td::parallel::DistributedDataParallel ddp(model, group, a.ddp);
+  if (a.comm_hook == "fp16") {
+    ddp.register_comm_hook(td::parallel::fp16_compress_hook);
+  } else if (a.comm_hook == "bf16") {
+    ddp.register_comm_hook(td::parallel::bf16_compress_hook);
+  } else if (a.comm_hook == "powersgd") {
+    ddp.register_comm_hook(td::parallel::powerSGD_hook(std::make_shared<td::parallel::PowerSGDState>(
+        td::parallel::PowerSGDOptions{.matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = 2})));
+  } else if (a.comm_hook != "none") {
+    throw td::ValueError(fmt::format("--comm-hook must be none, fp16, bf16 or powersgd, got '{}'", a.comm_hook));
+  }
   if (a.workload == "w1") {
     opt = std::make_unique<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
   } else {
@@ -185,7 +200,8 @@ int main(int argc, char** argv) try {
   td::bench::parse_args(argc, argv, a,
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
-                        "[--gradient-as-bucket-view] [--delay-allreduce]",
+                        "[--gradient-as-bucket-view] [--delay-allreduce] [--comm-hook none|fp16|bf16|powersgd] "
+                        "[--powersgd-rank R]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();
                           else if (k == "--nproc") a.nproc = std::stoi(value());
@@ -194,6 +210,8 @@ int main(int argc, char** argv) try {
                           else if (k == "--first-bucket-mb") a.ddp.first_bucket_mb = std::stod(value());
                           else if (k == "--gradient-as-bucket-view") a.ddp.gradient_as_bucket_view = true;
                           else if (k == "--delay-allreduce") a.ddp.delay_allreduce = true;
+                          else if (k == "--comm-hook") a.comm_hook = value();
+                          else if (k == "--powersgd-rank") a.powersgd_rank = std::stoll(value());
                           else return false;
                           return true;
                         });

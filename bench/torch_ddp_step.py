@@ -4,10 +4,13 @@ and one core each, the same W1/W2/W3 steps. Rank 0 prints one JSON line with the
 
   torch_ddp_step.py [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B]
                     [--seconds S] [--min-steps N] [--warmup W]
+                    [--comm-hook none|fp16|bf16|powersgd] [--powersgd-rank R]
 
 W1: the MLP, SGD(lr 0.05, momentum 0.9), batch 128 per rank; W2: the CNN, AdamW(lr 1e-3), batch
 64; W3: the GPT, AdamW(lr 1e-3), batch 8 x 128 tokens. "bf16" is torch.autocast("cpu",
-torch.bfloat16) around forward and loss. Never used by tests or CI.
+torch.bfloat16) around forward and loss. --comm-hook registers torch's fp16_compress_hook,
+bf16_compress_hook or powerSGD_hook (PowerSGDState with the given rank and start_powerSGD_iter 2,
+the rest torch's defaults), as bench/ddp_step.cc does. Never used by tests or CI.
 """
 import argparse
 import json
@@ -35,6 +38,8 @@ def parse():
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--min-steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none")
+    p.add_argument("--powersgd-rank", type=int, default=1)
     return p.parse_args()
 
 
@@ -67,6 +72,14 @@ def run(rank, args, port):
             xs.append(torch.randn(B, 1, 28, 28, generator=g))
             ys.append(torch.randint(0, 10, (B,), generator=g))
     ddp = nn.parallel.DistributedDataParallel(model)
+    if args.comm_hook in ("fp16", "bf16"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if args.comm_hook == "fp16"
+                               else default_hooks.bf16_compress_hook)
+    elif args.comm_hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        ddp.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=args.powersgd_rank,
+                                                  start_powerSGD_iter=2), psgd.powerSGD_hook)
     if args.workload == "w1":
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
