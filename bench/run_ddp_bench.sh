@@ -8,10 +8,12 @@
 #
 #   bench/run_ddp_bench.sh [--torch-python PY] [--build-dir DIR] [--seconds S] [--rounds R]
 #                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild] [--pair]
-#                          [--comm-hook none|fp16|bf16|powersgd] [--powersgd-rank R]
+#                          [--comm-hook none|fp16|bf16|powersgd] [--powersgd-rank R] [--bucket-cap-mb MB]
 #
 # --comm-hook registers the same communication hook on both sides (PowerSGD: the given rank,
-# from the 3rd iteration on, error feedback and warm start).
+# from the 3rd iteration on, error feedback and warm start). --bucket-cap-mb sets both sides'
+# bucket size, the first bucket's too (torch 2.x does so when bucket_cap_mb is given); torch's
+# PowerSGD over gloo needs a single bucket (bench/torch_ddp_step.py).
 #
 # --pair also runs, per side, two independent 1-process runs at once (one per core, no
 # communication) and prints their CPU per step against a 1-process run alone: how much the two
@@ -32,6 +34,8 @@ dtypes=(f32 bf16)
 nprocs=(1 2)
 pair=0
 hook_args=()
+tandem_args=()
+torch_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --torch-python) torch_python="$2"; shift 2 ;;
@@ -45,7 +49,8 @@ while [[ $# -gt 0 ]]; do
     --pair) pair=1; shift ;;
     --comm-hook) hook_args+=(--comm-hook "$2"); shift 2 ;;
     --powersgd-rank) hook_args+=(--powersgd-rank "$2"); shift 2 ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --bucket-cap-mb) tandem_args+=(--bucket-cap-mb "$2" --first-bucket-mb "$2"); torch_args+=(--bucket-cap-mb "$2"); shift 2 ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_ddp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,7 +58,7 @@ bench_check_torch
 bench_build ddp_step_bench
 bench_env
 bench_print_machine 1
-echo "command: for W in ${workloads[*]}; for D in ${dtypes[*]}; for N in ${nprocs[*]}: $bench_bin --workload \$W --dtype \$D --nproc \$N --seconds $seconds ${hook_args[*]}; $torch_python bench/torch_ddp_step.py --workload \$W --dtype \$D --nproc \$N --seconds $seconds ${hook_args[*]}; x$rounds rounds"
+echo "command: for W in ${workloads[*]}; for D in ${dtypes[*]}; for N in ${nprocs[*]}: $bench_bin --workload \$W --dtype \$D --nproc \$N --seconds $seconds ${hook_args[*]} ${tandem_args[*]}; $torch_python bench/torch_ddp_step.py --workload \$W --dtype \$D --nproc \$N --seconds $seconds ${hook_args[*]} ${torch_args[*]}; x$rounds rounds"
 echo
 
 out="$(mktemp)"
@@ -67,7 +72,7 @@ torch_run() {
   local attempt
   for attempt in 1 2; do
     if "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$1" --dtype "$2" --nproc "$3" \
-         --seconds "$seconds" "${hook_args[@]}" 2>"$torch_err"; then
+         --seconds "$seconds" "${hook_args[@]}" "${torch_args[@]}" 2>"$torch_err"; then
       return 0
     fi
     echo "run_ddp_bench.sh: PyTorch $1 $2 ${3}p failed (attempt $attempt of 2):" >&2
@@ -80,7 +85,7 @@ for ((r = 1; r <= rounds; ++r)); do
     for d in "${dtypes[@]}"; do
       for n in "${nprocs[@]}"; do
         echo "round $r/$rounds: $w $d ${n}p tandem ..." >&2
-        "$bench_bin" --workload "$w" --dtype "$d" --nproc "$n" --seconds "$seconds" "${hook_args[@]}" >>"$out"
+        "$bench_bin" --workload "$w" --dtype "$d" --nproc "$n" --seconds "$seconds" "${hook_args[@]}" "${tandem_args[@]}" >>"$out"
         echo "round $r/$rounds: $w $d ${n}p torch ..." >&2
         torch_run "$w" "$d" "$n" >>"$out"
       done
