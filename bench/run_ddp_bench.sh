@@ -64,7 +64,7 @@ echo
 out="$(mktemp)"
 pairout="$(mktemp)"
 torch_err="$(mktemp)"
-trap 'rm -f "$out" "$pairout" "$torch_err"' EXIT
+trap 'rm -f "$out" "$pairout" "$pairout.0" "$pairout.1" "$torch_err"' EXIT
 # One PyTorch run. torch_ddp_step.py picks a free port and closes it before gloo binds it, so
 # another process can take it in between (seen once in a whole table): a failed run is retried
 # once, and a second failure prints PyTorch's error and stops the table.
@@ -91,15 +91,19 @@ for ((r = 1; r <= rounds; ++r)); do
       done
       if [[ "$pair" = 1 ]]; then
         echo "round $r/$rounds: $w $d pair (two 1p runs at once) tandem, torch ..." >&2
+        # Each run of a pair writes its own file: two processes appending to one file can
+        # interleave their lines (seen once: two JSON objects on one line).
         for c in 0 1; do
-          taskset -c "$c" "$bench_bin" --workload "$w" --dtype "$d" --nproc 1 --seconds "$seconds" >>"$pairout" &
+          taskset -c "$c" "$bench_bin" --workload "$w" --dtype "$d" --nproc 1 --seconds "$seconds" >"$pairout.$c" &
         done
         wait
+        cat "$pairout.0" "$pairout.1" >>"$pairout"
         for c in 0 1; do
           taskset -c "$c" "$torch_python" "$repo/bench/torch_ddp_step.py" --workload "$w" --dtype "$d" --nproc 1 \
-            --seconds "$seconds" >>"$pairout" 2>/dev/null &
+            --seconds "$seconds" >"$pairout.$c" 2>/dev/null &
         done
         wait
+        cat "$pairout.0" "$pairout.1" >>"$pairout"
       fi
     done
   done
