@@ -180,7 +180,8 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
 // after join. Covers: the last rank to finish holding the model; a rank with no batch at all
 // (rank 0 of 3, which is also the root of the bucket rebuild its peers' first iteration triggers);
 // one bucket per parameter (tiny bucket caps); bucket views; both divisors; gradient accumulation
-// (the first of two micro-batches under no_sync, which a joined rank must not answer).
+// (the first of two micro-batches under no_sync, which a joined rank must not answer);
+// static_graph and delay_allreduce.
 // ---------------------------------------------------------------------------------------------
 
 TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
@@ -197,6 +198,14 @@ TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
             run_case(*group, group, c, 1e-5);
           }
         }
+      }
+      // static_graph (its unused-parameter map is all-reduced every iteration) and
+      // delay_allreduce (every bucket launched after backward).
+      for (const DDPOptions& o : {DDPOptions{.static_graph = true}, DDPOptions{.delay_allreduce = true}}) {
+        Case c;
+        c.batches = batches;
+        c.ddp = o;
+        run_case(*group, group, c, 1e-5);
       }
     });
   }
