@@ -133,19 +133,26 @@ TEST(DDPPowerSGD, IsThePlainAverageBeforeStartIter) {
 // equal to the plain average within f32 rounding of the three products and the orthogonalisation,
 // which the orthogonalisation amplifies by the condition number of M Q (a random Q): rel 1e-4
 // (f32 eps 6e-8 times conditions up to ~1e3; measured up to 2e-5 here).
+// The per-matrix hook or the batched one (the whole bucket as one square matrix).
+td::parallel::CommHook make_hook(bool batched, std::shared_ptr<PowerSGDState> state) {
+  return batched ? td::parallel::batched_powerSGD_hook(std::move(state)) : td::parallel::powerSGD_hook(std::move(state));
+}
+
 // Three steps of DDP with full-rank PowerSGD (no error feedback, no warm start) against DDP with
 // the plain average, on `samples` samples per rank: every gradient within rel 1e-4 of the average
 // and the same on every rank.
-void expect_full_rank_is_the_average(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, int64_t samples) {
+void expect_full_rank_is_the_average(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, int64_t samples,
+                                     bool batched = false) {
   const int rank = group.rank();
   auto a = std::make_shared<Net>(), b = std::make_shared<Net>();
   DistributedDataParallel with(a, shared), without(b, shared);
-  auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 16,
+  // 16 covers every matrix of Net; the batched hook's one matrix is 20 x 20 (369 gradients).
+  auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = batched ? 20 : 16,
                                                                .start_powerSGD_iter = 0,
                                                                .min_compression_rate = 0,
                                                                .use_error_feedback = false,
                                                                .warm_start = false});
-  with.register_comm_hook(td::parallel::powerSGD_hook(state));
+  with.register_comm_hook(make_hook(batched, state));
   for (int s = 0; s < 3; ++s) {
     const Tensor x = batch(s, rank).narrow(0, 0, samples), y = target(s, rank).narrow(0, 0, samples);
     a->zero_grad();
@@ -156,8 +163,8 @@ void expect_full_rank_is_the_average(ProcessGroup& group, std::shared_ptr<Proces
     for (size_t i = 0; i < ga.size(); ++i) {
       const double d = rel_diff(ga[i].second.grad(), gb[i].second.grad());
       if (!(d <= 1e-4))
-        fail(fmt::format("world {} rank {} step {} ({} samples): '{}' differs from the average by rel {:.3g}",
-                         group.size(), rank, s, samples, ga[i].first, d));
+        fail(fmt::format("world {} rank {} step {} ({} samples, batched {}): '{}' differs from the average by rel {:.3g}",
+                         group.size(), rank, s, samples, batched, ga[i].first, d));
       if (!same_everywhere(group, ga[i].second.grad())) fail(fmt::format("'{}' differs across ranks", ga[i].first));
     }
   }
@@ -166,7 +173,10 @@ void expect_full_rank_is_the_average(ProcessGroup& group, std::shared_ptr<Proces
 
 TEST(DDPPowerSGD, FullRankIsTheAverage) {
   for (int world : {2, 3}) {
-    on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) { expect_full_rank_is_the_average(*group, group, 7); });
+    on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) {
+      expect_full_rank_is_the_average(*group, group, 7);
+      expect_full_rank_is_the_average(*group, group, 7, /*batched=*/true);
+    });
   }
 }
 
@@ -177,18 +187,18 @@ TEST(DDPPowerSGD, RankDeficientGradientsStayExactAtFullRank) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) { expect_full_rank_is_the_average(*group, group, 2); });
 }
 
-// Rank 1 with error feedback and warm start: every rank gets the same gradients; w1's, w2's and
-// w3's are rank 1 (every row parallel to the largest); and nothing is lost: sum over ranks of (local
+// Rank 1 with error feedback and warm start, per matrix and batched: every rank gets the same
+// gradients; (per matrix) w1's, w2's and w3's are rank 1 (every row parallel to the largest); and nothing is lost: sum over ranks of (local
 // gradient + previous error) = world x result + sum over ranks of the new error, per element,
 // within f32 rounding (rel 1e-5 of the norm).
-TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {
-  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+void expect_rank_one_loses_nothing(std::shared_ptr<ProcessGroup> group, bool batched) {
+  {
     const int rank = group->rank();
     const double world = group->size();
     auto model = std::make_shared<Net>();
     DistributedDataParallel ddp(model, group);
     auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.start_powerSGD_iter = 2});
-    ddp.register_comm_hook(td::parallel::powerSGD_hook(state));
+    ddp.register_comm_hook(make_hook(batched, state));
     td::optim::SGD opt(model->parameters(), {.lr = 0.1});
     for (int s = 0; s < 6; ++s) {
       const Tensor x = batch(s, rank), y = target(s, rank);
@@ -205,7 +215,7 @@ TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {
       for (auto& p : params) {
         if (!same_everywhere(*group, p.grad())) fail(fmt::format("step {}: a gradient differs across ranks", s));
       }
-      if (s >= 2) {
+      if (s >= 2 && !batched) {
         for (const Tensor* w : {&model->w1, &model->w2, &model->w3}) {
           Tensor g = w->grad().to(td::kFloat64).contiguous();
           const int64_t n = g.size(0), m = g.size(1);
@@ -224,7 +234,10 @@ TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {
             if (residual2 > 1e-8 * nr + 1e-30) fail(fmt::format("step {}: a compressed gradient is not rank 1 (row {})", s, r));
           }
         }
-        // Conservation, bucket by bucket (each bucket's state is in its own flat layout).
+      }
+      if (s >= 2) {
+        // Conservation, bucket by bucket (each bucket's state is in its own flat layout; the
+        // batched hook's is padded to a square, whose first elements are the bucket's).
         for (size_t bi = 0; bi < layout.size(); ++bi) {
           std::vector<Tensor> in, out;
           for (int64_t p : layout[bi]) {
@@ -232,17 +245,26 @@ TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {
             out.push_back(params[static_cast<size_t>(p)].grad().reshape({-1}));
           }
           Tensor input = td::ops::cat(in, 0), result = td::ops::cat(out, 0);
-          if (before[bi].defined()) input = td::ops::add(input, before[bi]);
+          if (before[bi].defined()) input = td::ops::add(input, before[bi].narrow(0, 0, input.numel()));
           Tensor after = state->error(static_cast<int64_t>(bi));
           if (!after.defined()) fail(fmt::format("step {}: bucket {} has no error state", s, bi));
+          after = after.narrow(0, 0, input.numel());
           Tensor lhs = sum_over_ranks(*group, input);
           Tensor rhs = td::ops::add(td::ops::mul(result, world), sum_over_ranks(*group, after));
           const double d = rel_diff(rhs, lhs);
-          if (!(d <= 1e-5)) fail(fmt::format("step {} bucket {}: lost rel {:.3g} of the gradient", s, bi, d));
+          if (!(d <= 1e-5))
+            fail(fmt::format("step {} bucket {} (batched {}): lost rel {:.3g} of the gradient", s, bi, batched, d));
         }
       }
       opt.step();
     }
+  }
+}
+
+TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    expect_rank_one_loses_nothing(group, false);
+    expect_rank_one_loses_nothing(group, true);
   });
 }
 
@@ -252,4 +274,5 @@ TEST(DDPPowerSGD, RejectsOptionsItCannotServe) {
   EXPECT_THROW(PowerSGDState(PowerSGDOptions{.min_compression_rate = -1}), td::ValueError);
   EXPECT_NO_THROW(PowerSGDState(PowerSGDOptions{.start_powerSGD_iter = 0, .use_error_feedback = false, .warm_start = false}));
   EXPECT_THROW(td::parallel::powerSGD_hook(nullptr), td::ValueError);
+  EXPECT_THROW(td::parallel::batched_powerSGD_hook(nullptr), td::ValueError);
 }

@@ -193,6 +193,70 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
   return {work, then};
 }
 
+HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::ProcessGroup& group,
+                                   GradBucket& bucket) {
+  PowerSGDState& state = *sp;
+  const PowerSGDOptions& o = state.options_;
+  if (state.iter_ < o.start_powerSGD_iter || bucket.buffer.dtype() != kFloat32) {
+    state.maybe_increase_iter(bucket);
+    return allreduce_hook(group, bucket);
+  }
+  NoGradGuard no_grad;
+  const int64_t bi = bucket.index, total = bucket.buffer.numel();
+  const double world = group.size();
+  int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  while (side * side < total) ++side;  // guard the rounding of sqrt
+  const int64_t r = std::min(side, o.matrix_approximation_rank);
+  state.numel_before_ += total;
+  state.numel_after_ += 2 * side * r;
+
+  // The bucket, zero-padded to side x side (the bucket's own memory cannot grow).
+  Tensor padded = zeros({side * side}, kFloat32);
+  padded.narrow(0, 0, total).copy_(bucket.buffer);
+  if (o.use_error_feedback) {
+    auto it = state.error_.find(bi);
+    if (it != state.error_.end() && it->second.numel() == side * side) padded.add_(it->second);
+    else state.error_[bi] = zeros({side * side}, kFloat32);
+  }
+  Tensor input_copy = o.use_error_feedback ? padded.clone() : Tensor();
+  Tensor matrix = padded.view({side, side});
+
+  auto pm = state.p_memory_.find(bi), qm = state.q_memory_.find(bi);
+  const bool reuse = o.warm_start && pm != state.p_memory_.end() && qm != state.q_memory_.end() &&
+                     qm->second.numel() == side * r;
+  if (!reuse) {
+    state.p_memory_[bi] = empty({side * r}, kFloat32);
+    state.q_memory_[bi] = randn({side * r}, kFloat32, &state.rng_);
+  }
+  Tensor p = state.p_memory_[bi].view({side, r}), q = state.q_memory_[bi].view({side, r});
+  orthogonalize(q, o.orthogonalization_epsilon);
+  p.copy_(ops::matmul(matrix, q));
+  std::shared_ptr<dist::Work> work = group.all_reduce(p, dist::ReduceOp::SUM);  // orthonormalised next
+
+  auto then = [sp, &group, bucket, padded, matrix, p, q, input_copy, total, world]() mutable {
+    PowerSGDState& st = *sp;
+    NoGradGuard no_grad;
+    orthogonalize(p, st.options_.orthogonalization_epsilon);
+    q.copy_(ops::matmul(matrix.t(), p));
+    group.all_reduce(q, dist::ReduceOp::SUM)->wait();
+    q.mul_(1.0 / world);
+    matrix.copy_(ops::matmul(p, q.t()));
+    if (st.options_.use_error_feedback) st.error_[bucket.index] = ops::sub(input_copy, padded);
+    bucket.buffer.copy_(padded.narrow(0, 0, total));
+    if (!st.options_.warm_start) {
+      st.p_memory_.erase(bucket.index);
+      st.q_memory_.erase(bucket.index);
+    }
+    st.maybe_increase_iter(bucket);
+  };
+  return {work, then};
+}
+
+CommHook batched_powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
+  TANDEM_CHECK(state != nullptr, ValueError, "batched_powerSGD_hook: state is null");
+  return [state](dist::ProcessGroup& group, GradBucket& bucket) { return batched_powersgd_bucket(state, group, bucket); };
+}
+
 CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
   TANDEM_CHECK(state != nullptr, ValueError, "powerSGD_hook: state is null");
   return [state](dist::ProcessGroup& group, GradBucket& bucket) { return powersgd_bucket(state, group, bucket); };

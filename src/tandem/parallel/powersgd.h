@@ -62,6 +62,8 @@ class PowerSGDState {
  private:
   friend HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& state, dist::ProcessGroup& group,
                                     GradBucket& bucket);
+  friend HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& state, dist::ProcessGroup& group,
+                                            GradBucket& bucket);
   void maybe_increase_iter(const GradBucket& bucket);
 
   PowerSGDOptions options_;
@@ -73,5 +75,10 @@ class PowerSGDState {
 
 // The hook to register on DistributedDataParallel (ddp.register_comm_hook).
 CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state);
+// torch's batched_powerSGD_hook: the whole bucket, zero-padded to a square side x side matrix
+// (side = ceil(sqrt(numel))), is compressed as one matrix at rank min(side, rank): fewer, larger
+// products and no per-parameter split (min_compression_rate is not used), a coarser
+// approximation. Same state and options otherwise; do not share one state between both hooks.
+CommHook batched_powerSGD_hook(std::shared_ptr<PowerSGDState> state);
 
 }  // namespace tandem::parallel
