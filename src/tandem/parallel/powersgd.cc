@@ -82,25 +82,32 @@ void PowerSGDState::maybe_increase_iter(const GradBucket& bucket) {
   if (bucket.is_last) ++iter_;
 }
 
+bool PowerSGDState::plain_average_now(const GradBucket& bucket) {
+  if (iter_ >= options_.start_powerSGD_iter && bucket.buffer.dtype() == kFloat32) return false;
+  maybe_increase_iter(bucket);
+  return true;
+}
+
+void PowerSGDState::add_error(int64_t bi, Tensor& input) {
+  auto it = error_.find(bi);
+  if (it != error_.end() && it->second.numel() == input.numel()) {
+    input.add_(it->second);
+  } else {
+    error_[bi] = zeros({input.numel()}, kFloat32);
+  }
+}
+
 HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::ProcessGroup& group, GradBucket& bucket) {
   PowerSGDState& state = *sp;
   const PowerSGDOptions& o = state.options_;
-  if (state.iter_ < o.start_powerSGD_iter || bucket.buffer.dtype() != kFloat32) {
-    state.maybe_increase_iter(bucket);
-    return allreduce_hook(group, bucket);
-  }
+  if (state.plain_average_now(bucket)) return allreduce_hook(group, bucket);
   NoGradGuard no_grad;
   const int64_t bi = bucket.index;
   const double world = group.size();
   Tensor input = bucket.buffer;
   Tensor input_copy;
   if (o.use_error_feedback) {
-    auto it = state.error_.find(bi);
-    if (it != state.error_.end() && it->second.numel() == input.numel()) {
-      input.add_(it->second);
-    } else {
-      state.error_[bi] = zeros({input.numel()}, kFloat32);
-    }
+    state.add_error(bi, input);
     input_copy = input.clone();
   }
 
@@ -197,10 +204,7 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
                                    GradBucket& bucket) {
   PowerSGDState& state = *sp;
   const PowerSGDOptions& o = state.options_;
-  if (state.iter_ < o.start_powerSGD_iter || bucket.buffer.dtype() != kFloat32) {
-    state.maybe_increase_iter(bucket);
-    return allreduce_hook(group, bucket);
-  }
+  if (state.plain_average_now(bucket)) return allreduce_hook(group, bucket);
   NoGradGuard no_grad;
   const int64_t bi = bucket.index, total = bucket.buffer.numel();
   const double world = group.size();
@@ -213,11 +217,7 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
   // The bucket, zero-padded to side x side (the bucket's own memory cannot grow).
   Tensor padded = zeros({side * side}, kFloat32);
   padded.narrow(0, 0, total).copy_(bucket.buffer);
-  if (o.use_error_feedback) {
-    auto it = state.error_.find(bi);
-    if (it != state.error_.end() && it->second.numel() == side * side) padded.add_(it->second);
-    else state.error_[bi] = zeros({side * side}, kFloat32);
-  }
+  if (o.use_error_feedback) state.add_error(bi, padded);
   Tensor input_copy = o.use_error_feedback ? padded.clone() : Tensor();
   Tensor matrix = padded.view({side, side});
 

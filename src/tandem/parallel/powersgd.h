@@ -65,6 +65,11 @@ class PowerSGDState {
   friend HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& state, dist::ProcessGroup& group,
                                             GradBucket& bucket);
   void maybe_increase_iter(const GradBucket& bucket);
+  // Before start_powerSGD_iter, or for a bucket that is not f32: the plain average this time
+  // (counting the iteration).
+  bool plain_average_now(const GradBucket& bucket);
+  // Error feedback: adds bucket `bi`'s error to `input` (or starts a zero one of input's length).
+  void add_error(int64_t bi, Tensor& input);
 
   PowerSGDOptions options_;
   Generator rng_;
