@@ -81,6 +81,15 @@ std::vector<std::vector<int64_t>> all_gather_i64(dist::ProcessGroup& group, cons
   return result;
 }
 
+// join's throw_on_early_termination error, after `what` happened.
+ValueError early_termination(const std::string& what) {
+  return ValueError(fmt::format(
+      "DistributedDataParallel.join: {}; with throw_on_early_termination every rank stops here. Give every rank the "
+      "same number of batches (DistributedSampler pads), or join without throw_on_early_termination to go on "
+      "without them",
+      what));
+}
+
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module,
@@ -188,11 +197,8 @@ void DistributedDataParallel::before_forward() {
   if (join_active_ && group_->size() > 1) {
     const JoinRound round = join_round(true, autograd::is_grad_enabled() && require_sync_);
     if (join_options_.throw_on_early_termination && round.active < group_->size()) {
-      throw ValueError(fmt::format(
-          "DistributedDataParallel.join: {} of {} ranks have run out of inputs (rank {} has not); with "
-          "throw_on_early_termination every rank stops here. Give every rank the same number of batches "
-          "(DistributedSampler pads), or join without throw_on_early_termination to go on without them",
-          group_->size() - round.active, group_->size(), group_->rank()));
+      throw early_termination(fmt::format("{} of {} ranks have run out of inputs (rank {} has not)",
+                                          group_->size() - round.active, group_->size(), group_->rank()));
     }
     buffer_root = round.highest_active;
     all_train = round.active == group_->size();
@@ -269,11 +275,8 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
     if (round.active == 0) break;
     last = false;
     if (options.throw_on_early_termination) {
-      throw ValueError(fmt::format(
-          "DistributedDataParallel.join: rank {} ran out of inputs while {} other rank(s) still train; with "
-          "throw_on_early_termination every rank stops here. Give every rank the same number of batches "
-          "(DistributedSampler pads), or join without throw_on_early_termination to go on without them",
-          group_->rank(), round.active));
+      throw early_termination(
+          fmt::format("rank {} ran out of inputs while {} other rank(s) still train", group_->rank(), round.active));
     }
     if (options_.broadcast_buffers && require_forward_param_sync_) {
       NoGradGuard no_grad;

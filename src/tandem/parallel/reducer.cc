@@ -353,29 +353,27 @@ void Reducer::launch(int64_t bi) {
     timings_[bi].launch_s = now_s();
     return;
   }
-  GradBucket gb;
-  gb.index = bi;
-  gb.buffer = b.flat;
-  gb.is_last = bi + 1 == static_cast<int64_t>(buckets_.size());
-  if (hook_) {
-    describe_for_hook(bi, gb);  // only a user hook reads them
-    b.result = hook_(*group_, gb);
-  } else {
-    b.result = allreduce_hook(*group_, gb);
-  }
-  TANDEM_CHECK(b.result.work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
+  b.result = start_collective(bi, b.flat);
   b.launched = true;
   timings_[bi].launch_s = now_s();
 }
 
-void Reducer::describe_for_hook(int64_t bi, GradBucket& gb) const {
-  const Bucket& b = buckets_[bi];
-  for (int64_t p : b.params) {
+HookResult Reducer::start_collective(int64_t bi, const Tensor& buffer) {
+  GradBucket gb;
+  gb.index = bi;
+  gb.buffer = buffer;
+  gb.is_last = bi + 1 == static_cast<int64_t>(buckets_.size());
+  if (!hook_) return allreduce_hook(*group_, gb);
+  // Only a hook reads the names and the per-parameter views.
+  for (int64_t p : buckets_[bi].params) {
     const Param& param = params_[p];
     gb.parameter_names.push_back(param.name);
     const Shape& shape = param.tensor.shape();
-    gb.gradients.push_back(make_view(gb.buffer, shape, contiguous_strides(shape), gb.buffer.offset() + param.offset));
+    gb.gradients.push_back(make_view(buffer, shape, contiguous_strides(shape), buffer.offset() + param.offset));
   }
+  HookResult r = hook_(*group_, gb);
+  TANDEM_CHECK(r.work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
+  return r;
 }
 
 void Reducer::finalize() {
@@ -520,21 +518,9 @@ void Reducer::shadow_backward() {
   TANDEM_CHECK(!options_.deterministic, ValueError, "DDP join does not support the deterministic mode");
   // Every bucket is issued before any is waited for, as the training ranks launch them while
   // their backward runs; zeros stand for this rank's gradients.
-  std::vector<HookResult> results(buckets_.size());
-  std::vector<GradBucket> views(buckets_.size());
+  std::vector<HookResult> results;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    const Bucket& b = buckets_[bi];
-    GradBucket& gb = views[bi];
-    gb.index = static_cast<int64_t>(bi);
-    gb.buffer = zeros({b.numel}, b.dtype);
-    gb.is_last = bi + 1 == buckets_.size();
-    if (hook_) {
-      describe_for_hook(static_cast<int64_t>(bi), gb);
-      results[bi] = hook_(*group_, gb);
-    } else {
-      results[bi] = allreduce_hook(*group_, gb);
-    }
-    TANDEM_CHECK(results[bi].work != nullptr, ValueError, "DDP communication hook returned no Work for bucket {}", bi);
+    results.push_back(start_collective(static_cast<int64_t>(bi), zeros({buckets_[bi].numel}, buckets_[bi].dtype)));
   }
   for (auto& r : results) {
     r.work->wait();

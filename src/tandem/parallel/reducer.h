@@ -150,8 +150,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool reads_slots() const { return !local_only_ || options_.gradient_as_bucket_view; }
   void launch_ready_buckets();
   void launch(int64_t bucket);
-  // For a hook: the parameters' names and gradient views of bucket `bi` over `buffer`.
-  void describe_for_hook(int64_t bi, GradBucket& gb) const;
+  // Starts bucket `bi`'s collective over `buffer` (its flat memory, or zeros for a joined rank):
+  // the registered hook, with the parameters' names and gradient views, or the default all-reduce.
+  HookResult start_collective(int64_t bi, const Tensor& buffer);
   void finalize();
   void finalize_deterministic();
   // The one-time rebuild in rank 0's ready order (a collective: a broadcast from rank 0).
