@@ -212,6 +212,27 @@ def lr_factor(cfg, base, total):
     return f
 
 
+def make_ddp(cfg, model):
+    """The config's ddp section and communication_data_type, as tandem train applies them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    if get(cfg, "ddp.sync_batchnorm", False):
+        # torch.nn.SyncBatchNorm raises "expected input tensor to be on GPU" for CPU tensors.
+        raise SystemExit("torch_train_ref.py: ddp.sync_batchnorm has no PyTorch CPU counterpart "
+                         "(torch.nn.SyncBatchNorm runs on GPU/XPU only); drop the key for the comparison")
+    net = nn.parallel.DistributedDataParallel(
+        model,
+        bucket_cap_mb=get(cfg, "ddp.bucket_cap_mb", 25),
+        broadcast_buffers=get(cfg, "ddp.broadcast_buffers", True),
+        find_unused_parameters=get(cfg, "ddp.find_unused_parameters", False),
+        gradient_as_bucket_view=get(cfg, "ddp.gradient_as_bucket_view", False),
+        static_graph=get(cfg, "ddp.static_graph", False))
+    wire = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}.get(get(cfg, "communication_data_type", ""),
+                                                                              get(cfg, "ddp.comm_hook", "no"))
+    if get(cfg, "amp.opt_level", "") not in ("O2", "O3") and wire in ("fp16", "bf16"):
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook if wire == "fp16" else default_hooks.bf16_compress_hook)
+    return net
+
+
 def worker(rank, args, cfg, port):
     torch.set_num_threads(1)
     world = args.nproc
@@ -223,7 +244,7 @@ def worker(rank, args, cfg, port):
         raise SystemExit(f"torch_train_ref.py: train_batch_size {global_batch} is not a multiple of {world} processes")
     batches, text = make_data(cfg, rank, world, global_batch // world)
     model = make_model(cfg)
-    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    net = make_ddp(cfg, model) if world > 1 else model
     opt = make_optimizer(cfg, model.parameters())
     steps = args.steps or int(get(cfg, "train.steps", 0))
     if not steps:

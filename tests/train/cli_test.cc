@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/core/safetensors.h"
+#include "tandem/data/vision.h"
 #include "tandem/train/checkpoint.h"
 #include "util/test_util.h"
 
@@ -217,6 +218,85 @@ TEST(TrainCli, GptBf16ConfigTwoProcessesMatchOneProcess) {
   for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(l2[i], l1[i], 2e-3 * std::abs(l1[i])) << "step " << i + 1;
   // The curve is a curve: 12 AdamW steps at 3e-4 lower the loss on byte text (from ~5.6 = ln 256).
   EXPECT_LT(l1.back(), l1.front());
+}
+
+bool fashion_available() {
+  return fs::exists(data::fashion_mnist_dir() + "/train-images-idx3-ubyte.gz") ||
+         fs::exists(data::fashion_mnist_dir() + "/train-images-idx3-ubyte");
+}
+
+// Issue #7's SyncBatchNorm line through the main job: configs/cnn_fp32.json (W2: three conv +
+// BatchNorm + ReLU, AdamW) on 2 processes with "ddp.sync_batchnorm" equals 1 process on the same
+// global batch of 64 (BatchNorm over all 64): losses, parameters and running statistics. Without
+// the key each rank normalises its own 32 and the runs part; "communication_data_type": "bf16"
+// sends the f32 gradients in bf16 and stays within bf16 rounding of the f32 wire.
+TEST(TrainCli, CnnSyncBatchNormTwoProcessesMatchOneProcessBatchNorm) {
+  if (!fashion_available()) GTEST_SKIP() << "needs Fashion-MNIST (dataset-fashion-mnist) in " << data::fashion_mnist_dir();
+  tandem::testing::TempDir dir;
+  const std::string cfg = std::string(TANDEM_SOURCE_DIR) + "/configs/cnn_fp32.json";
+  const std::string args = " train --config " + cfg +
+                           " --set train.steps=6 --set train.checkpoint_every=0 --set data.eval_samples=64"
+                           " --set log.progress=lines --set log.tensorboard=false --set dist.timeout_s=60";
+  const std::string two = kCli + " run --nproc-per-node 2 " + kCli + args;
+  std::string out;
+  ASSERT_EQ(run(kCli + args + " --out " + dir.path() + "/one", &out), 0) << out;
+  ASSERT_EQ(run(two + " --set ddp.sync_batchnorm=true --out " + dir.path() + "/sync", &out), 0) << out;
+  EXPECT_NE(out.find("DDP over shm, 3 SyncBatchNorm"), std::string::npos) << out;
+  ASSERT_EQ(run(two + " --out " + dir.path() + "/local", &out), 0) << out;
+  ASSERT_EQ(run(two + " --set ddp.sync_batchnorm=true --set communication_data_type=bf16 --out " + dir.path() + "/bf16wire", &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("DDP over shm with bf16 gradients on the wire, 3 SyncBatchNorm"), std::string::npos) << out;
+
+  const std::vector<double> one = losses(dir.path() + "/one"), sync = losses(dir.path() + "/sync"),
+                            local = losses(dir.path() + "/local"), wire = losses(dir.path() + "/bf16wire");
+  ASSERT_EQ(one.size(), 6u);
+  ASSERT_EQ(sync.size(), 6u);
+  ASSERT_EQ(local.size(), 6u);
+  ASSERT_EQ(wire.size(), 6u);
+  // f32 throughout; the runs differ in the order of the statistics' and gradients' sums (two
+  // halves of 32 combined vs one batch of 64): relative 1e-5 (f32 epsilon 6e-8, amplified a
+  // hundredfold by BatchNorm's division by the batch std and six AdamW steps).
+  double local_gap = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_NEAR(sync[i], one[i], 1e-5 * std::abs(one[i])) << "step " << i + 1;
+    local_gap = std::max(local_gap, std::abs(local[i] - one[i]) / std::abs(one[i]));
+    // bf16 keeps 8 significant bits (2^-8 = 0.4% relative per gradient element); the loss moves by
+    // a fraction of that through five updates of lr 1e-3: within 0.4%.
+    EXPECT_NEAR(wire[i], sync[i], 4e-3 * std::abs(sync[i])) << "step " << i + 1;
+  }
+  // Per-rank statistics of 32 images instead of 64 change the losses by far more than rounding
+  // (measured 5e-3).
+  EXPECT_GT(local_gap, 1e-3);
+  EXPECT_NE(wire.back(), sync.back());  // the wire dtype did change the gradients
+
+  const SafetensorsFile m1 = load_safetensors(dir.path() + "/one/checkpoints/step_00000006/model.safetensors");
+  const SafetensorsFile m2 = load_safetensors(dir.path() + "/sync/checkpoints/step_00000006/model.safetensors");
+  ASSERT_EQ(m1.tensors.size(), m2.tensors.size());
+  int running = 0;
+  double diff2 = 0, norm2 = 0;
+  for (const auto& [name, t] : m1.tensors) {
+    if (name.find("num_batches_tracked") != std::string::npos) continue;
+    running += name.find("running_") != std::string::npos;
+    const Tensor a = t.to(kFloat32).contiguous(), b = m2.at(name).to(kFloat32).contiguous();
+    ASSERT_EQ(a.shape(), b.shape()) << name;
+    double d2 = 0, n2 = 0, dmax = 0, nmax = 0;
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      const double x = a.data_ptr<float>()[i], y = b.data_ptr<float>()[i];
+      d2 += (x - y) * (x - y), n2 += x * x;
+      dmax = std::max(dmax, std::abs(x - y)), nmax = std::max(nmax, std::abs(x));
+    }
+    diff2 += d2, norm2 += n2;
+    // Each tensor (parameters, running mean and var), as max |diff| / max |value|: 1e-3. AdamW
+    // moves every coordinate by ~lr whatever its gradient's size, so a coordinate whose gradient
+    // is near zero takes its direction from the rounding noise above; the BatchNorm biases (sums
+    // of dy, values ~1e-3 after six steps) and conv weights show it: measured up to 2.9e-4
+    // (features.1.bias), conv weights 1.5e-4, BatchNorm weights, running stats and fc <= 1.1e-5.
+    EXPECT_LT(dmax / nmax, 1e-3) << name;
+  }
+  EXPECT_EQ(running, 6);  // three BatchNorms' running_mean and running_var were compared
+  // The whole state as one vector: the f32 bound, 1e-5 relative (measured 1.8e-6).
+  EXPECT_LT(std::sqrt(diff2 / norm2), 1e-5);
 }
 
 TEST(TrainCli, ArgumentAndConfigErrors) {

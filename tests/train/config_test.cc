@@ -195,6 +195,77 @@ TEST(Config, ZeroStagesAboveZeroAreNotImplementedYet) {
             std::string::npos);
 }
 
+TEST(Config, DdpSectionAndCommunicationDataType) {
+  // Defaults: PyTorch's DDP arguments, f32 on the wire.
+  Config c = parse_config(base());
+  EXPECT_EQ(c.ddp.bucket_cap_mb, 25.0);
+  EXPECT_TRUE(c.ddp.broadcast_buffers);
+  EXPECT_FALSE(c.ddp.find_unused_parameters || c.ddp.gradient_as_bucket_view || c.ddp.static_graph || c.ddp.sync_batchnorm);
+  EXPECT_EQ(c.ddp.comm_hook, "no");
+  EXPECT_EQ(c.ddp.check_replicas_every, 0);
+
+  json j = base();
+  j["ddp"] = {{"bucket_cap_mb", 4.5},     {"broadcast_buffers", false}, {"find_unused_parameters", true},
+              {"gradient_as_bucket_view", true}, {"static_graph", true},  {"comm_hook", "fp16"},
+              {"sync_batchnorm", true},   {"check_replicas_every", 7}};
+  c = parse_config(j);
+  EXPECT_EQ(c.ddp.bucket_cap_mb, 4.5);
+  EXPECT_FALSE(c.ddp.broadcast_buffers);
+  EXPECT_TRUE(c.ddp.find_unused_parameters && c.ddp.gradient_as_bucket_view && c.ddp.static_graph && c.ddp.sync_batchnorm);
+  EXPECT_EQ(c.ddp.comm_hook, "fp16");
+  EXPECT_EQ(c.ddp.check_replicas_every, 7);
+
+  // DeepSpeed's communication_data_type is the same setting (bfp16 is DeepSpeed's alias of bf16).
+  for (const auto& [type, hook] : std::vector<std::pair<std::string, std::string>>{
+           {"fp32", "no"}, {"fp16", "fp16"}, {"bf16", "bf16"}, {"bfp16", "bf16"}}) {
+    j = base();
+    j["communication_data_type"] = type;
+    EXPECT_EQ(parse_config(j).ddp.comm_hook, hook) << type;
+    j["ddp"] = {{"comm_hook", hook}};  // agreeing: fine
+    EXPECT_EQ(parse_config(j).ddp.comm_hook, hook) << type;
+  }
+  j = base();
+  j["communication_data_type"] = "fp16";
+  j["ddp"] = {{"comm_hook", "bf16"}};
+  EXPECT_NE(error_of([&] { parse_config(j); })
+                .find("\"communication_data_type\" \"fp16\" and \"ddp.comm_hook\" \"bf16\" disagree"),
+            std::string::npos);
+  j["communication_data_type"] = "FP16";
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"communication_data_type\" is \"FP16\", expected one of \"fp32\""),
+            std::string::npos);
+
+  // Accelerate's PowerSGD values are known, and refused with the reason.
+  j = base();
+  j["ddp"] = {{"comm_hook", "power_sgd"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_hook\" \"power_sgd\" is not offered by tandem train"),
+            std::string::npos);
+  j["ddp"] = {{"comm_hook", "powersgd"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_hook\" is \"powersgd\", expected one of \"no\""),
+            std::string::npos);
+  j["ddp"] = {{"bucket_cap", 10}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("unknown key \"ddp.bucket_cap\" (did you mean \"ddp.bucket_cap_mb\"?)"),
+            std::string::npos);
+  j["ddp"] = {{"bucket_cap_mb", 0}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.bucket_cap_mb\" is 0, expected a number >= 1e-06"),
+            std::string::npos);
+
+  // O2 keeps bf16 parameters: their gradients go in bf16 whatever is asked; asking for another
+  // wire dtype is an error, asking for theirs is a no-op.
+  j = base();
+  j["bf16"] = {{"enabled", true}};
+  j["amp"] = {{"opt_level", "O2"}};
+  j["communication_data_type"] = "bf16";
+  EXPECT_EQ(parse_config(j).ddp.comm_hook, "no");
+  j["communication_data_type"] = "fp32";
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("amp.opt_level O2 keeps bf16 parameters"), std::string::npos);
+  j.erase("communication_data_type");
+  j["ddp"] = {{"comm_hook", "fp16"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("the wire dtype asked for (\"fp16\") applies to f32 gradients only"),
+            std::string::npos);
+  j["amp"] = {{"opt_level", "O1"}};
+  EXPECT_EQ(parse_config(j).ddp.comm_hook, "fp16");
+}
+
 TEST(Config, CrossFieldChecks) {
   json j = base();
   j["model"]["name"] = "gpt";

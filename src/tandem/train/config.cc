@@ -64,6 +64,7 @@ const std::vector<Spec>& specs() {
       {"fp16.min_loss_scale", Kind::Number, 0, kInf},
       {"bf16.enabled", Kind::Bool},
       {"zero_optimization.stage", Kind::Int, 0, 3},
+      {"communication_data_type", Kind::Enum, 0, 0, {"fp32", "fp16", "bf16", "bfp16"}},
       {"model.name", Kind::Enum, 0, 0, {"mlp", "cnn", "gpt", "resnet18"}},
       {"model.hidden", Kind::IntList, 1, kInf},
       {"model.num_classes", Kind::Int, 1, kInf},
@@ -87,6 +88,14 @@ const std::vector<Spec>& specs() {
       {"amp.opt_level", Kind::Enum, 0, 0, {"", "O0", "O1", "O2", "O3"}},
       {"dist.backend", Kind::Enum, 0, 0, {"shm", "gloo", "mpi", "nccl"}},
       {"dist.timeout_s", Kind::Number, 0.001, kInf},
+      {"ddp.bucket_cap_mb", Kind::Number, 1e-6, kInf},
+      {"ddp.broadcast_buffers", Kind::Bool},
+      {"ddp.find_unused_parameters", Kind::Bool},
+      {"ddp.gradient_as_bucket_view", Kind::Bool},
+      {"ddp.static_graph", Kind::Bool},
+      {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd"}},
+      {"ddp.sync_batchnorm", Kind::Bool},
+      {"ddp.check_replicas_every", Kind::Int, 0, kInf},
       {"log.jsonl", Kind::Bool},
       {"log.tensorboard", Kind::Bool},
       {"log.progress", Kind::Enum, 0, 0, {"auto", "bar", "lines", "none"}},
@@ -403,6 +412,49 @@ void apply_override(nlohmann::json& j, const std::string& assignment) {
   }
 }
 
+// The ddp section and DeepSpeed's communication_data_type (one setting: the wire dtype of f32
+// gradients). Needs c.opt_level, c.fp16 and c.bf16 parsed.
+void parse_ddp(Config& c, const json& j) {
+  DdpConfig& d = c.ddp;
+  get(j, "ddp.bucket_cap_mb", d.bucket_cap_mb);
+  get(j, "ddp.broadcast_buffers", d.broadcast_buffers);
+  get(j, "ddp.find_unused_parameters", d.find_unused_parameters);
+  get(j, "ddp.gradient_as_bucket_view", d.gradient_as_bucket_view);
+  get(j, "ddp.static_graph", d.static_graph);
+  get(j, "ddp.comm_hook", d.comm_hook);
+  get(j, "ddp.sync_batchnorm", d.sync_batchnorm);
+  get_int(j, "ddp.check_replicas_every", d.check_replicas_every);
+  TANDEM_CHECK(d.comm_hook != "power_sgd" && d.comm_hook != "batched_power_sgd", ValueError,
+               "config: \"ddp.comm_hook\" \"{}\" is not offered by tandem train: PowerSGD keeps per-bucket state (error "
+               "feedback, warm-start Q) that checkpoints do not carry, so a resumed run would not continue exactly; use "
+               "\"fp16\" or \"bf16\", or the library's parallel::powerSGD_hook",
+               d.comm_hook);
+  if (const json* v = at(j, "communication_data_type")) {
+    // DeepSpeed's names: fp32 (the default wire), fp16, bf16 (alias bfp16).
+    const std::string t = v->get<std::string>();
+    const std::string hook = t == "fp32" ? "no" : t == "fp16" ? "fp16" : "bf16";
+    TANDEM_CHECK(!at(j, "ddp.comm_hook") || d.comm_hook == hook, ValueError,
+                 "config: \"communication_data_type\" \"{}\" and \"ddp.comm_hook\" \"{}\" disagree on the gradients' wire "
+                 "dtype; give one of them",
+                 t, d.comm_hook);
+    d.comm_hook = hook;
+  }
+  // O2/O3 cast the parameters, so the gradients are already 16-bit and reduce in their own dtype
+  // (f32 accumulation); a different wire dtype would be silently ignored.
+  if (c.opt_level == "O2" || c.opt_level == "O3") {
+    const std::string low = c.bf16 ? "bf16" : "fp16";
+    const bool asks_other = (at(j, "communication_data_type") || at(j, "ddp.comm_hook")) && d.comm_hook != "no" &&
+                            d.comm_hook != low;
+    const bool asks_fp32 = at(j, "communication_data_type") && d.comm_hook == "no";
+    TANDEM_CHECK(!asks_other && !asks_fp32, ValueError,
+                 "config: amp.opt_level {} keeps {} parameters, whose gradients are reduced in {} (f32 accumulation); the "
+                 "wire dtype asked for (\"{}\") applies to f32 gradients only: drop communication_data_type / "
+                 "ddp.comm_hook, or use amp.opt_level O1",
+                 c.opt_level, low, low, asks_fp32 ? "fp32" : d.comm_hook);
+    d.comm_hook = "no";
+  }
+}
+
 Config parse_config(const nlohmann::json& j, int world_size) {
   TANDEM_CHECK(world_size >= 1, ValueError, "parse_config: world_size {} < 1", world_size);
   validate(j, "");
@@ -500,6 +552,7 @@ Config parse_config(const nlohmann::json& j, int world_size) {
                "config: \"amp.opt_level\" {} needs a low precision: set \"bf16.enabled\" or \"fp16.enabled\"", c.opt_level);
   get(j, "dist.backend", c.dist.backend);
   get(j, "dist.timeout_s", c.dist.timeout_s);
+  parse_ddp(c, j);
   get(j, "log.jsonl", c.log.jsonl);
   get(j, "log.tensorboard", c.log.tensorboard);
   get(j, "log.progress", c.log.progress);

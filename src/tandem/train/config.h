@@ -85,6 +85,23 @@ struct DistConfig {
   double timeout_s = 300;
 };
 
+// DistributedDataParallel on more than one process (zero_optimization.stage 0): PyTorch's DDP
+// arguments by name, Accelerate's comm_hook values, and Tandem's replica check. Ignored on one
+// process.
+struct DdpConfig {
+  double bucket_cap_mb = 25.0;
+  bool broadcast_buffers = true;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;
+  // Wire dtype of f32 gradients: "no" (f32), "fp16" or "bf16" (torch's fp16/bf16_compress_hook:
+  // sent in 16 bits, accumulated in f32, cast back). DeepSpeed's top-level communication_data_type
+  // (fp32 | fp16 | bf16) sets the same thing.
+  std::string comm_hook = "no";
+  bool sync_batchnorm = false;        // convert_sync_batchnorm on the model (W2's BatchNorms)
+  int64_t check_replicas_every = 0;  // 0: never
+};
+
 struct LogConfig {
   bool jsonl = true;
   bool tensorboard = true;
@@ -110,6 +127,7 @@ struct Config {
   TrainLoopConfig train;
   std::string opt_level;  // amp.opt_level: "" (autocast + GradScaler) or O0..O3
   DistConfig dist;
+  DdpConfig ddp;
   LogConfig log;
   // The validated JSON this was built from (saved in checkpoints), and the world size the batch
   // triple was resolved for.
@@ -139,6 +157,8 @@ void apply_override(nlohmann::json& j, const std::string& assignment);
 //  * wrong type or range: names the key, the value and what is expected;
 //  * fp16.enabled and bf16.enabled both true;
 //  * zero_optimization.stage 1-3: not implemented yet;
+//  * ddp.comm_hook power_sgd (not resumable), a communication_data_type that contradicts
+//    ddp.comm_hook, or a wire dtype with amp O2/O3 (whose gradients are already 16-bit);
 //  * an inconsistent batch triple, showing the arithmetic
 //    (train_batch_size 100 != micro 16 * accumulation 2 * world size 2 = 64).
 Config parse_config(const nlohmann::json& j, int world_size = 1);

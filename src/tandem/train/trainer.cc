@@ -39,6 +39,7 @@
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/optim/sgd.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/sync_batch_norm.h"
 #include "tandem/train/checkpoint.h"
 #include "tandem/train/metrics.h"
 
@@ -281,6 +282,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
 
   // ---- model, optimizer, precision, DDP ----
   std::shared_ptr<nn::Module> model = make_model(cfg, data);
+  const int64_t sync_bns = pg && cfg.ddp.sync_batchnorm ? parallel::convert_sync_batchnorm(*model, pg) : 0;
   std::unique_ptr<optim::Optimizer> opt = make_optimizer(cfg, model->parameters());
   Precision prec;
   prec.low = cfg.bf16 ? kBFloat16 : cfg.fp16.enabled ? kFloat16 : kFloat32;
@@ -299,9 +301,23 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     prec.describe = prec.low == kBFloat16 ? "bf16 autocast" : "fp32";
   }
   std::shared_ptr<parallel::DistributedDataParallel> ddp;
+  std::string ddp_describe;
   if (pg) {
-    ddp = std::make_shared<parallel::DistributedDataParallel>(model, pg);
+    const DdpConfig& dc = cfg.ddp;
+    ddp = std::make_shared<parallel::DistributedDataParallel>(
+        model, pg,
+        parallel::DDPOptions{.bucket_cap_mb = dc.bucket_cap_mb,
+                             .broadcast_buffers = dc.broadcast_buffers,
+                             .find_unused_parameters = dc.find_unused_parameters,
+                             .gradient_as_bucket_view = dc.gradient_as_bucket_view,
+                             .static_graph = dc.static_graph,
+                             .check_replicas_every = dc.check_replicas_every});
     ddp->attach_optimizer(opt.get());
+    if (dc.comm_hook == "fp16") ddp->register_comm_hook(parallel::fp16_compress_hook);
+    if (dc.comm_hook == "bf16") ddp->register_comm_hook(parallel::bf16_compress_hook);
+    ddp_describe = fmt::format(", DDP over {}{}{}", cfg.dist.backend,
+                               dc.comm_hook == "no" ? "" : fmt::format(" with {} gradients on the wire", dc.comm_hook),
+                               sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "");
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
   DeepSpeedSchedule schedule(*opt, cfg.scheduler, total_steps);
@@ -338,9 +354,9 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     progress.emplace(total_steps, cfg.log.progress, cfg.steps_per_print, opts.out);
     progress->message(fmt::format(
         "tandem train: {} ({} parameters) on {} ({} train examples), {} x {} micro-batch x {} accumulation = batch {}, "
-        "{} steps, {}{}",
+        "{} steps, {}{}{}",
         cfg.model.name, model->num_parameters(), cfg.data.name, data.train->size(), world, cfg.train_micro_batch_size_per_gpu,
-        gas, cfg.train_batch_size, total_steps, prec.describe,
+        gas, cfg.train_batch_size, total_steps, prec.describe, ddp_describe,
         resumed_from.empty() ? "" : fmt::format(", resumed from {} at step {}", resumed_from, step)));
   }
 
