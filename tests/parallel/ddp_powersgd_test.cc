@@ -41,14 +41,22 @@ using td::testing::same_everywhere;
 // x -> linear(w1 12x16, b1) -> tanh -> linear(w2 5x12, b2) -> tanh -> linear(w3 20x5): three
 // matrices worth compressing at rank 1 (wide and tall) and two vectors that are not (at the
 // default rate).
+// `w3_first`: the same values, w3 registered first (DDP's initial layout then differs from the
+// order backward produces the gradients in, so the rebuild changes it).
 struct Net : td::nn::Module {
-  Net() : Module("Net") {
+  explicit Net(bool w3_first = false) : Module("Net") {
     td::Generator gen(21);
-    w1 = register_parameter("w1", td::ops::mul(td::randn({12, 16}, td::kFloat32, &gen), 0.3));
-    b1 = register_parameter("b1", td::ops::mul(td::randn({12}, td::kFloat32, &gen), 0.1));
-    w2 = register_parameter("w2", td::ops::mul(td::randn({5, 12}, td::kFloat32, &gen), 0.3));
-    b2 = register_parameter("b2", td::ops::mul(td::randn({5}, td::kFloat32, &gen), 0.1));
-    w3 = register_parameter("w3", td::ops::mul(td::randn({20, 5}, td::kFloat32, &gen), 0.3));
+    Tensor v1 = td::ops::mul(td::randn({12, 16}, td::kFloat32, &gen), 0.3);
+    Tensor c1 = td::ops::mul(td::randn({12}, td::kFloat32, &gen), 0.1);
+    Tensor v2 = td::ops::mul(td::randn({5, 12}, td::kFloat32, &gen), 0.3);
+    Tensor c2 = td::ops::mul(td::randn({5}, td::kFloat32, &gen), 0.1);
+    Tensor v3 = td::ops::mul(td::randn({20, 5}, td::kFloat32, &gen), 0.3);
+    if (w3_first) w3 = register_parameter("w3", v3);
+    w1 = register_parameter("w1", v1);
+    b1 = register_parameter("b1", c1);
+    w2 = register_parameter("w2", v2);
+    b2 = register_parameter("b2", c2);
+    if (!w3_first) w3 = register_parameter("w3", v3);
   }
   Tensor forward(const Tensor& x) override {
     Tensor h = td::ops::tanh(td::ops::linear(td::ops::tanh(td::ops::linear(x, w1, b1)), w2, b2));
@@ -204,9 +212,23 @@ void expect_rank_one_loses_nothing(std::shared_ptr<ProcessGroup> group, bool bat
       const Tensor x = batch(s, rank), y = target(s, rank);
       const std::vector<Tensor> local = local_grads(*model, x, y);
       const auto layout = ddp.reducer().bucket_indices();
+      // The error of bucket bi: the batched hook keeps one per bucket (padded to a square, the
+      // bucket's elements first); the per-matrix hook one per parameter, put together here in the
+      // bucket's order (undefined until every parameter of the bucket has one).
+      const auto names = model->named_parameters();
+      const auto error_of = [&](size_t bi) {
+        if (batched) return state->error(static_cast<int64_t>(bi));
+        std::vector<Tensor> parts;
+        for (int64_t p : layout[bi]) {
+          Tensor e = state->error(names[static_cast<size_t>(p)].first);
+          if (!e.defined()) return Tensor();
+          parts.push_back(e);
+        }
+        return td::ops::cat(parts, 0);
+      };
       std::vector<Tensor> before;
       for (size_t bi = 0; bi < layout.size(); ++bi) {
-        Tensor e = state->error(static_cast<int64_t>(bi));
+        Tensor e = error_of(bi);
         before.push_back(e.defined() ? e.clone() : Tensor());
       }
       opt.zero_grad();
@@ -236,8 +258,7 @@ void expect_rank_one_loses_nothing(std::shared_ptr<ProcessGroup> group, bool bat
         }
       }
       if (s >= 2) {
-        // Conservation, bucket by bucket (each bucket's state is in its own flat layout; the
-        // batched hook's is padded to a square, whose first elements are the bucket's).
+        // Conservation, bucket by bucket.
         for (size_t bi = 0; bi < layout.size(); ++bi) {
           std::vector<Tensor> in, out;
           for (int64_t p : layout[bi]) {
@@ -246,7 +267,7 @@ void expect_rank_one_loses_nothing(std::shared_ptr<ProcessGroup> group, bool bat
           }
           Tensor input = td::ops::cat(in, 0), result = td::ops::cat(out, 0);
           if (before[bi].defined()) input = td::ops::add(input, before[bi].narrow(0, 0, input.numel()));
-          Tensor after = state->error(static_cast<int64_t>(bi));
+          Tensor after = error_of(bi);
           if (!after.defined()) fail(fmt::format("step {}: bucket {} has no error state", s, bi));
           after = after.narrow(0, 0, input.numel());
           Tensor lhs = sum_over_ranks(*group, input);
@@ -258,7 +279,85 @@ void expect_rank_one_loses_nothing(std::shared_ptr<ProcessGroup> group, bool bat
       }
       opt.step();
     }
+    if (batched) {
+      bool threw = false;
+      try {
+        state->state_dict();
+      } catch (const td::ValueError&) {
+        threw = true;
+      }
+      if (!threw) fail("state_dict after batched_powerSGD_hook (per-bucket state) did not throw");
+    }
   }
+}
+
+// powerSGD_hook keeps its state per parameter, so state_dict carries it into a fresh DDP, whose
+// first iteration runs the initial layout and then rebuilds it: 3 steps, state_dict, a new model
+// with those weights, a new DDP and a state loaded from the dict, 3 more steps = 6 steps without a
+// break, bit for bit, on every rank (rank 1, error feedback and warm start on from step 2; one
+// parameter per bucket, and w3 registered first, so the layout does change at the rebuild).
+// Without the loaded state (a fresh Q, no error) the continuation differs.
+TEST(DDPPowerSGD, StateDictCarriesIntoAFreshDDPBitwise) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    const DDPOptions tiny{.bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6};
+    const PowerSGDOptions o{.start_powerSGD_iter = 2};
+    const auto train = [&](Net& model, DistributedDataParallel& ddp, int from, int to) {
+      td::optim::SGD opt(model.parameters(), {.lr = 0.1});
+      for (int s = from; s < to; ++s) {
+        opt.zero_grad();
+        loss_of(ddp(batch(s, rank)), target(s, rank)).backward();
+        opt.step();
+      }
+    };
+    const auto copy_weights = [](const Net& from, Net& to) {
+      td::NoGradGuard no_grad;
+      auto src = from.parameters(), dst = to.parameters();
+      for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+    };
+
+    auto straight = std::make_shared<Net>(true);
+    DistributedDataParallel ddp_straight(straight, group, tiny);
+    ddp_straight.register_comm_hook(td::parallel::powerSGD_hook(std::make_shared<PowerSGDState>(o)));
+    train(*straight, ddp_straight, 0, 6);
+
+    auto first = std::make_shared<Net>(true);
+    PowerSGDState::Dict saved;
+    std::vector<std::vector<int64_t>> rebuilt;
+    {
+      DistributedDataParallel ddp(first, group, tiny);
+      auto state = std::make_shared<PowerSGDState>(o);
+      ddp.register_comm_hook(td::parallel::powerSGD_hook(state));
+      train(*first, ddp, 0, 3);
+      saved = state->state_dict();
+      rebuilt = ddp.reducer().bucket_indices();
+    }
+    if (saved.iter != 3 || saved.q.size() != 3 || saved.error.size() != 5) {
+      fail(fmt::format("state_dict: iter {}, {} Qs, {} errors (want 3, 3 matrices, 5 parameters)", saved.iter,
+                       saved.q.size(), saved.error.size()));
+    }
+    for (bool load : {true, false}) {
+      auto resumed = std::make_shared<Net>(true);
+      copy_weights(*first, *resumed);
+      DistributedDataParallel ddp(resumed, group, tiny);
+      if (ddp.reducer().bucket_indices() == rebuilt) fail("the fresh DDP starts with the rebuilt layout: nothing tested");
+      auto state = std::make_shared<PowerSGDState>(o);
+      if (load) {
+        state->load_state_dict(saved);
+      } else {
+        state->load_state_dict({.iter = saved.iter});  // the counter alone: compressing, but from scratch
+      }
+      ddp.register_comm_hook(td::parallel::powerSGD_hook(state));
+      train(*resumed, ddp, 3, 6);
+      bool same = true;
+      auto a = resumed->parameters(), b = straight->parameters();
+      for (size_t i = 0; i < a.size(); ++i) same = same && bitwise_equal(a[i], b[i]);
+      if (same != load) {
+        fail(load ? "resumed from state_dict: the weights differ from the uninterrupted run's"
+                  : "resumed without the state: the same weights, so the state was not used");
+      }
+    }
+  });
 }
 
 TEST(DDPPowerSGD, RankOneWithErrorFeedbackLosesNothing) {

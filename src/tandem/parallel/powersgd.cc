@@ -53,7 +53,7 @@ void orthogonalize(Tensor& m, double epsilon) {
 
 }  // namespace
 
-PowerSGDState::PowerSGDState(PowerSGDOptions options) : options_(options), rng_(options.random_seed) {
+PowerSGDState::PowerSGDState(PowerSGDOptions options) : options_(options) {
   TANDEM_CHECK(options_.matrix_approximation_rank >= 1, ValueError,
                "PowerSGD: matrix_approximation_rank must be at least 1, got {}", options_.matrix_approximation_rank);
   TANDEM_CHECK(options_.min_compression_rate >= 0 && options_.orthogonalization_epsilon >= 0, ValueError,
@@ -61,7 +61,7 @@ PowerSGDState::PowerSGDState(PowerSGDOptions options) : options_(options), rng_(
                options_.min_compression_rate, options_.orthogonalization_epsilon);
   TANDEM_CHECK(!((options_.use_error_feedback || options_.warm_start) && options_.start_powerSGD_iter <= 1), ValueError,
                "PowerSGD: start_powerSGD_iter must be > 1 with use_error_feedback or warm_start (got {}): DDP rebuilds "
-               "its buckets after the first iteration, which would invalidate the per-bucket state",
+               "its buckets after the first iteration, which would invalidate batched_powerSGD_hook's per-bucket state",
                options_.start_powerSGD_iter);
 }
 
@@ -73,9 +73,64 @@ PowerSGDState::CompressionStats PowerSGDState::compression_stats() const {
   return s;
 }
 
-Tensor PowerSGDState::error(int64_t bucket) const {
-  auto it = error_.find(bucket);
+Tensor PowerSGDState::error(const std::string& name) const {
+  auto it = error_.find(name);
   return it == error_.end() ? Tensor() : it->second;
+}
+
+Tensor PowerSGDState::error(int64_t bucket) const {
+  auto it = bucket_error_.find(bucket);
+  return it == bucket_error_.end() ? Tensor() : it->second;
+}
+
+PowerSGDState::Dict PowerSGDState::state_dict() const {
+  TANDEM_CHECK(bucket_error_.empty() && bucket_q_memory_.empty(), ValueError,
+               "PowerSGDState::state_dict: this state was used by batched_powerSGD_hook, whose state is per bucket and "
+               "belongs to one bucket layout (a fresh DDP starts with another); only powerSGD_hook's state can be saved");
+  Dict d;
+  d.iter = iter_;
+  d.numel_before = numel_before_;
+  d.numel_after = numel_after_;
+  for (const auto& [name, q] : q_memory_) d.q[name] = q.clone();
+  for (const auto& [name, e] : error_) d.error[name] = e.clone();
+  return d;
+}
+
+void PowerSGDState::load_state_dict(const Dict& dict) {
+  TANDEM_CHECK(dict.iter >= 0 && dict.numel_before >= 0 && dict.numel_after >= 0, ValueError,
+               "PowerSGDState::load_state_dict: negative counter (iter {}, numel_before {}, numel_after {})", dict.iter,
+               dict.numel_before, dict.numel_after);
+  std::map<std::string, Tensor> q, error;
+  for (const auto& [name, t] : dict.q) {
+    TANDEM_CHECK(t.defined() && t.dtype() == kFloat32, ValueError,
+                 "PowerSGDState::load_state_dict: Q of \"{}\" is not an f32 tensor", name);
+    q[name] = t.reshape({-1}).clone();
+  }
+  for (const auto& [name, t] : dict.error) {
+    TANDEM_CHECK(t.defined() && t.dtype() == kFloat32, ValueError,
+                 "PowerSGDState::load_state_dict: error of \"{}\" is not an f32 tensor", name);
+    error[name] = t.reshape({-1}).clone();
+  }
+  iter_ = dict.iter;
+  numel_before_ = dict.numel_before;
+  numel_after_ = dict.numel_after;
+  q_memory_ = std::move(q);
+  error_ = std::move(error);
+  bucket_error_.clear();
+  bucket_q_memory_.clear();
+}
+
+Generator PowerSGDState::q_stream(const std::string& key) const {
+  // splitmix64 over (seed, iteration, FNV-1a of the key).
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
+  auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  return Generator(mix(mix(mix(options_.random_seed) ^ static_cast<uint64_t>(iter_)) ^ h));
 }
 
 void PowerSGDState::maybe_increase_iter(const GradBucket& bucket) {
@@ -88,35 +143,47 @@ bool PowerSGDState::plain_average_now(const GradBucket& bucket) {
   return true;
 }
 
-void PowerSGDState::add_error(int64_t bi, Tensor& input) {
-  auto it = error_.find(bi);
-  if (it != error_.end() && it->second.numel() == input.numel()) {
-    input.add_(it->second);
+namespace {
+// Error feedback: adds the kept error to `input` (or starts a zero one of input's length).
+void add_error(Tensor& kept, Tensor& input) {
+  if (kept.defined() && kept.numel() == input.numel()) {
+    input.add_(kept.view(input.shape()));
   } else {
-    error_[bi] = zeros({input.numel()}, kFloat32);
+    kept = zeros({input.numel()}, kFloat32);
   }
 }
+}  // namespace
 
 HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::ProcessGroup& group, GradBucket& bucket) {
   PowerSGDState& state = *sp;
   const PowerSGDOptions& o = state.options_;
   if (state.plain_average_now(bucket)) return allreduce_hook(group, bucket);
   NoGradGuard no_grad;
-  const int64_t bi = bucket.index;
   const double world = group.size();
-  Tensor input = bucket.buffer;
-  Tensor input_copy;
+  const std::vector<std::string>& names = bucket.parameter_names;
+  TANDEM_CHECK(names.size() == bucket.gradients.size(), Error,
+               "powerSGD_hook: bucket {} has {} parameter names for {} gradients", bucket.index, names.size(),
+               bucket.gradients.size());
+
+  // Error feedback, per parameter: the input is the gradient plus what was lost last time; a copy
+  // of it gives this step's loss at the end.
+  std::vector<Tensor> input_copies;
   if (o.use_error_feedback) {
-    state.add_error(bi, input);
-    input_copy = input.clone();
+    for (size_t i = 0; i < names.size(); ++i) {
+      Tensor g = bucket.gradients[i];
+      add_error(state.error_[names[i]], g);
+      input_copies.push_back(g.clone());
+    }
   }
 
   // Which gradients to compress: viewed as (rows, rest) (a vector as one column), worth it at this
   // rank and rate.
   std::vector<Tensor> matrices, plain;
+  std::vector<std::string> matrix_names;
   std::vector<int64_t> ranks;
   int64_t p_size = 0, q_size = 0;
-  for (const Tensor& g : bucket.gradients) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    const Tensor& g = bucket.gradients[i];
     const int64_t n = g.dim() == 0 ? 1 : g.size(0);
     const int64_t m = n == 0 ? 0 : g.numel() / n;
     const int64_t r = std::min({n, m, o.matrix_approximation_rank});
@@ -124,6 +191,7 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
     state.numel_before_ += before;
     if (r > 0 && static_cast<double>(after) * o.min_compression_rate < static_cast<double>(before)) {
       matrices.push_back(g.view({n, m}));
+      matrix_names.push_back(names[i]);
       ranks.push_back(r);
       p_size += n * r;
       q_size += m * r;
@@ -134,18 +202,9 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
     }
   }
 
-  // P and Q live in one flat buffer each per bucket (one all-reduce each), kept across steps with
-  // warm start.
-  bool randomize = true;
-  auto pm = state.p_memory_.find(bi);
-  if (o.warm_start && pm != state.p_memory_.end() && pm->second.numel() == p_size &&
-      state.q_memory_[bi].numel() == q_size) {
-    randomize = false;
-  } else {
-    state.p_memory_[bi] = empty({p_size}, kFloat32);
-    state.q_memory_[bi] = empty({q_size}, kFloat32);
-  }
-  Tensor p_flat = state.p_memory_[bi], q_flat = state.q_memory_[bi];
+  // The bucket's Ps and Qs lie in one flat buffer each (one all-reduce each); with warm start each
+  // parameter's Q is kept from its previous step.
+  Tensor p_flat = empty({p_size}, kFloat32), q_flat = empty({q_size}, kFloat32);
   std::vector<Tensor> ps, qs;
   int64_t po = 0, qo = 0;
   for (size_t i = 0; i < matrices.size(); ++i) {
@@ -154,11 +213,14 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
     qs.push_back(q_flat.narrow(0, qo, m * r).view({m, r}));
     po += n * r;
     qo += m * r;
-  }
-  for (Tensor& q : qs) {
-    // A fresh start draws Q from the state's stream, which advances alike on every rank.
-    if (randomize) q.copy_(randn(q.shape(), kFloat32, &state.rng_));
-    orthogonalize(q, o.orthogonalization_epsilon);
+    auto kept = state.q_memory_.find(matrix_names[i]);
+    if (o.warm_start && kept != state.q_memory_.end() && kept->second.numel() == m * r) {
+      qs[i].copy_(kept->second.view({m, r}));
+    } else {
+      Generator gen = state.q_stream(matrix_names[i]);
+      qs[i].copy_(randn({m, r}, kFloat32, &gen));
+    }
+    orthogonalize(qs[i], o.orthogonalization_epsilon);
   }
   for (size_t i = 0; i < matrices.size(); ++i) ps[i].copy_(ops::matmul(matrices[i], qs[i]));
 
@@ -174,7 +236,8 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
   std::shared_ptr<dist::Work> work =
       plain_flat.numel() > 0 ? group.all_reduce(plain_flat, dist::ReduceOp::SUM) : dist::Work::completed();
 
-  auto then = [sp, &group, bucket, plain, plain_flat, matrices, ps, qs, p_flat, q_flat, input_copy, world]() mutable {
+  auto then = [sp, &group, bucket, plain, plain_flat, matrices, matrix_names, ps, qs, p_flat, q_flat, input_copies,
+               world]() mutable {
     PowerSGDState& st = *sp;
     NoGradGuard no_grad;
     plain_flat.mul_(1.0 / world);
@@ -190,10 +253,17 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
     if (q_flat.numel() > 0) group.all_reduce(q_flat, dist::ReduceOp::SUM)->wait();
     q_flat.mul_(1.0 / world);
     for (size_t i = 0; i < matrices.size(); ++i) matrices[i].copy_(ops::matmul(ps[i], qs[i].t()));
-    if (st.options_.use_error_feedback) st.error_[bucket.index] = ops::sub(input_copy, bucket.buffer);
-    if (!st.options_.warm_start) {
-      st.p_memory_.erase(bucket.index);
-      st.q_memory_.erase(bucket.index);
+    for (size_t i = 0; i < matrices.size(); ++i) {
+      if (st.options_.warm_start) {
+        st.q_memory_[matrix_names[i]] = qs[i].reshape({-1}).clone();
+      } else {
+        st.q_memory_.erase(matrix_names[i]);
+      }
+    }
+    if (st.options_.use_error_feedback) {
+      for (size_t i = 0; i < input_copies.size(); ++i) {
+        st.error_[bucket.parameter_names[i]] = ops::sub(input_copies[i], bucket.gradients[i]).reshape({-1});
+      }
     }
     st.maybe_increase_iter(bucket);
   };
@@ -217,18 +287,18 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
   // The bucket, zero-padded to side x side (the bucket's own memory cannot grow).
   Tensor padded = zeros({side * side}, kFloat32);
   padded.narrow(0, 0, total).copy_(bucket.buffer);
-  if (o.use_error_feedback) state.add_error(bi, padded);
+  if (o.use_error_feedback) add_error(state.bucket_error_[bi], padded);
   Tensor input_copy = o.use_error_feedback ? padded.clone() : Tensor();
   Tensor matrix = padded.view({side, side});
 
-  auto pm = state.p_memory_.find(bi), qm = state.q_memory_.find(bi);
-  const bool reuse = o.warm_start && pm != state.p_memory_.end() && qm != state.q_memory_.end() &&
-                     qm->second.numel() == side * r;
-  if (!reuse) {
-    state.p_memory_[bi] = empty({side * r}, kFloat32);
-    state.q_memory_[bi] = randn({side * r}, kFloat32, &state.rng_);
+  Tensor p = empty({side, r}, kFloat32), q = empty({side, r}, kFloat32);
+  auto kept = state.bucket_q_memory_.find(bi);
+  if (o.warm_start && kept != state.bucket_q_memory_.end() && kept->second.numel() == side * r) {
+    q.copy_(kept->second.view({side, r}));
+  } else {
+    Generator gen = state.q_stream(fmt::format("bucket {}", bi));
+    q.copy_(randn({side, r}, kFloat32, &gen));
   }
-  Tensor p = state.p_memory_[bi].view({side, r}), q = state.q_memory_[bi].view({side, r});
   orthogonalize(q, o.orthogonalization_epsilon);
   p.copy_(ops::matmul(matrix, q));
   std::shared_ptr<dist::Work> work = group.all_reduce(p, dist::ReduceOp::SUM);  // orthonormalised next
@@ -241,11 +311,12 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
     group.all_reduce(q, dist::ReduceOp::SUM)->wait();
     q.mul_(1.0 / world);
     matrix.copy_(ops::matmul(p, q.t()));
-    if (st.options_.use_error_feedback) st.error_[bucket.index] = ops::sub(input_copy, padded);
+    if (st.options_.use_error_feedback) st.bucket_error_[bucket.index] = ops::sub(input_copy, padded);
     bucket.buffer.copy_(padded.narrow(0, 0, total));
-    if (!st.options_.warm_start) {
-      st.p_memory_.erase(bucket.index);
-      st.q_memory_.erase(bucket.index);
+    if (st.options_.warm_start) {
+      st.bucket_q_memory_[bucket.index] = q.reshape({-1}).clone();
+    } else {
+      st.bucket_q_memory_.erase(bucket.index);
     }
     st.maybe_increase_iter(bucket);
   };

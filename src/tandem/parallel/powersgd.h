@@ -5,7 +5,10 @@
 // by P Q^T: (rows + cols) * rank numbers on the wire instead of rows * cols. Gradients too small
 // to gain (vectors, biases, or below min_compression_rate) go through one plain all-reduce per
 // bucket. Error feedback keeps what the approximation lost on each rank and adds it to the next
-// step's gradient; warm start reuses Q from the previous step (P and Q are kept per bucket).
+// step's gradient; warm start reuses Q from the previous step. powerSGD_hook keeps that state per
+// parameter (by name), so it does not depend on the bucket layout: the same after DDP's bucket
+// rebuild, and restorable into a fresh DDP (state_dict / load_state_dict: tandem train resumes
+// bit for bit). batched_powerSGD_hook keeps it per bucket, as torch does.
 //
 //   auto state = std::make_shared<tandem::parallel::PowerSGDState>(
 //       tandem::parallel::PowerSGDOptions{.matrix_approximation_rank = 2, .start_powerSGD_iter = 100});
@@ -20,6 +23,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 
 #include "tandem/core/rng.h"
 #include "tandem/parallel/reducer.h"
@@ -37,14 +41,17 @@ struct PowerSGDOptions {
   // Added to each column's norm before dividing. (A column in the span of the earlier ones, a
   // zero one included, becomes zero whatever the epsilon.)
   double orthogonalization_epsilon = 0;
-  uint64_t random_seed = 0;  // the initial Q of every step is drawn from this stream, the same on every rank
+  // A fresh Q (the first compressed step, every step without warm start) is drawn from a stream
+  // keyed by (random_seed, iteration, parameter name) -- batched: bucket index --, the same on
+  // every rank and whatever the bucket layout.
+  uint64_t random_seed = 0;
 };
 
 class PowerSGDState {
  public:
   // Throws ValueError for a rank below 1, a negative rate, or start_powerSGD_iter <= 1 with error
-  // feedback or warm start (the bucket rebuild after the first iteration changes the layout
-  // those keep state for).
+  // feedback or warm start (torch's rule: batched_powerSGD_hook's per-bucket state would not
+  // survive DDP's bucket rebuild after the first iteration).
   explicit PowerSGDState(PowerSGDOptions options = {});
 
   const PowerSGDOptions& options() const { return options_; }
@@ -56,8 +63,23 @@ class PowerSGDState {
     int64_t numel_before = 0, numel_after = 0;
   };
   CompressionStats compression_stats() const;
-  // Bucket `bucket`'s local error (error feedback), undefined before its first compressed step.
+  // This rank's error (error feedback) for parameter `name` (powerSGD_hook) or bucket `bucket`
+  // (batched_powerSGD_hook, padded to the square), flat; undefined before its first compressed step.
+  Tensor error(const std::string& name) const;
   Tensor error(int64_t bucket) const;
+
+  // What powerSGD_hook's state is after some steps: the counters, the warm-start Q of every
+  // compressed parameter (the same on every rank) and this rank's errors. load_state_dict into a
+  // fresh state (same options) continues exactly where state_dict was taken; each rank restores
+  // its own errors. Throws ValueError from state_dict when batched_powerSGD_hook used this state
+  // (its per-bucket state belongs to one bucket layout).
+  struct Dict {
+    int64_t iter = 0, numel_before = 0, numel_after = 0;
+    std::map<std::string, Tensor> q;      // parameter name -> Q (cols x rank), flat
+    std::map<std::string, Tensor> error;  // parameter name -> this rank's error, flat
+  };
+  Dict state_dict() const;
+  void load_state_dict(const Dict& dict);
 
  private:
   friend HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& state, dist::ProcessGroup& group,
@@ -68,14 +90,14 @@ class PowerSGDState {
   // Before start_powerSGD_iter, or for a bucket that is not f32: the plain average this time
   // (counting the iteration).
   bool plain_average_now(const GradBucket& bucket);
-  // Error feedback: adds bucket `bi`'s error to `input` (or starts a zero one of input's length).
-  void add_error(int64_t bi, Tensor& input);
+  // The stream a fresh Q of this iteration is drawn from, for a parameter name or a bucket.
+  Generator q_stream(const std::string& key) const;
 
   PowerSGDOptions options_;
-  Generator rng_;
   int64_t iter_ = 0;
   int64_t numel_before_ = 0, numel_after_ = 0;
-  std::map<int64_t, Tensor> error_, p_memory_, q_memory_;
+  std::map<std::string, Tensor> error_, q_memory_;           // powerSGD_hook, by parameter name
+  std::map<int64_t, Tensor> bucket_error_, bucket_q_memory_;  // batched_powerSGD_hook, by bucket
 };
 
 // The hook to register on DistributedDataParallel (ddp.register_comm_hook).
