@@ -230,6 +230,11 @@ def make_ddp(cfg, model):
                                                                               get(cfg, "ddp.comm_hook", "no"))
     if get(cfg, "amp.opt_level", "") not in ("O2", "O3") and wire in ("fp16", "bf16"):
         net.register_comm_hook(None, default_hooks.fp16_compress_hook if wire == "fp16" else default_hooks.bf16_compress_hook)
+    if wire == "power_sgd":
+        # torch's PowerSGD over gloo aborts once DDP has two buckets (../shared/BUILD-NOTES.md).
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        state = psgd.PowerSGDState(process_group=None, **get(cfg, "ddp.comm_state_option", {}))
+        net.register_comm_hook(state, psgd.powerSGD_hook)
     return net
 
 

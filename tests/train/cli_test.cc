@@ -1,7 +1,8 @@
 // `tandem train` as a user runs it: killed with SIGKILL mid-run, or stopped with SIGTERM (which
 // checkpoints first), and resumed with --resume auto (bitwise equal to the uninterrupted run), on two processes under `tandem run` (resume bitwise,
-// and a loss curve that matches the one-process run on the same global batch), and its argument
-// and config errors.
+// and a loss curve that matches the one-process run on the same global batch; the same with the
+// PowerSGD hook, whose state the checkpoints carry), W2 with SyncBatchNorm against BatchNorm on
+// the global batch, and its argument and config errors.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -186,6 +187,61 @@ TEST(TrainCli, TwoProcessesResumeBitwiseAndMatchOneProcess) {
   // Step 1 sees identical weights and batches: equal up to the mean's summation order.
   for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(l2[i], l1[i], 2e-3 * std::abs(l1[i])) << "step " << i + 1;
   EXPECT_NEAR(l2[0], l1[0], 1e-6 * std::abs(l1[0]));
+}
+
+// "ddp.comm_hook": "power_sgd" on 2 processes: the hook's state (each rank's error feedback, the
+// warm-start Qs, the counters) goes into the checkpoint, so a run stopped at step 4 and resumed
+// ends bit for bit where the uninterrupted one does, hook state included. The compression is on
+// (the losses leave the plain all-reduce's), and a resume with another world size is refused
+// before anything is overwritten.
+TEST(TrainCli, PowerSgdTwoProcessesResumeBitwise) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 8, 4);
+  const std::string launch = kCli + " run --nproc-per-node 2 " + kCli + " train --config " + cfg;
+  const std::string psgd = " --set ddp.comm_hook=power_sgd --set ddp.comm_state_option.start_powerSGD_iter=2"
+                           " --set ddp.comm_state_option.matrix_approximation_rank=2";
+  const std::string straight = dir.path() + "/straight", stopped = dir.path() + "/stopped", plain = dir.path() + "/plain";
+  std::string out;
+  ASSERT_EQ(run(launch + psgd + " --out " + straight, &out), 0) << out;
+  EXPECT_NE(out.find("DDP over shm with PowerSGD rank 2 from iteration 2"), std::string::npos) << out;
+  ASSERT_EQ(run(launch + psgd + " --out " + stopped + " --stop-after 4", &out), 0) << out;
+  ASSERT_EQ(run(launch + psgd + " --out " + stopped + " --resume auto", &out), 0) << out;
+  const std::string a = straight + "/checkpoints/step_00000008", b = stopped + "/checkpoints/step_00000008";
+  expect_same_checkpoint(a, b);
+  const SafetensorsFile ha = load_safetensors(a + "/comm_hook.safetensors"), hb = load_safetensors(b + "/comm_hook.safetensors");
+  ASSERT_EQ(ha.tensors.size(), hb.tensors.size());
+  int qs = 0, errors0 = 0, errors1 = 0;
+  for (const auto& [name, t] : ha.tensors) {
+    const Tensor& u = hb.at(name);
+    ASSERT_EQ(t.shape(), u.shape()) << name;
+    EXPECT_EQ(std::memcmp(t.data_ptr(), u.data_ptr(), t.nbytes()), 0) << name;
+    qs += name.rfind("q.", 0) == 0;
+    errors0 += name.rfind("error.0.", 0) == 0;
+    errors1 += name.rfind("error.1.", 0) == 0;
+  }
+  EXPECT_GT(qs, 0);  // the matrices worth compressing at rank 2
+  EXPECT_GT(errors0, qs);  // every parameter of a compressed bucket, on each rank
+  EXPECT_EQ(errors0, errors1);
+  std::ifstream sa(a + "/trainer_state.json");
+  EXPECT_EQ(json::parse(sa)["extra"]["comm_hook"]["iter"], 8);
+
+  // The same run with the plain all-reduce: equal through step 2 (before start_powerSGD_iter the
+  // hook is the plain average), then apart.
+  ASSERT_EQ(run(launch + " --out " + plain, &out), 0) << out;
+  const std::vector<double> lp = losses(plain), ls = losses(straight);
+  ASSERT_EQ(lp.size(), 8u);
+  ASSERT_EQ(ls.size(), 8u);
+  EXPECT_EQ(lp[1], ls[1]);
+  EXPECT_NE(lp.back(), ls.back());
+
+  // Resuming on 3 processes (batch 12): refused, naming both world sizes; the checkpoints stay.
+  EXPECT_NE(run(kCli + " run --nproc-per-node 3 " + kCli + " train --config " + cfg + psgd +
+                    " --set train_batch_size=12 --set train.steps=12 --out " + stopped + " --resume auto",
+                &out),
+            0);
+  EXPECT_NE(out.find("holds PowerSGD error feedback of 2 ranks, this run has 3; resume it with 2 processes"), std::string::npos)
+      << out;
+  expect_same_checkpoint(a, b);
 }
 
 // The acceptance line of issue #8 on the shipped config itself: `tandem run --nproc-per-node 2

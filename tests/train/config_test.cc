@@ -234,10 +234,36 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   EXPECT_NE(error_of([&] { parse_config(j); }).find("\"communication_data_type\" is \"FP16\", expected one of \"fp32\""),
             std::string::npos);
 
-  // Accelerate's PowerSGD values are known, and refused with the reason.
+  // PowerSGD: Accelerate's value and comm_state_option (PyTorch's PowerSGDState arguments).
   j = base();
+  j["ddp"] = {{"comm_hook", "power_sgd"},
+              {"comm_state_option", {{"matrix_approximation_rank", 4}, {"start_powerSGD_iter", 10}, {"warm_start", false},
+                                     {"min_compression_rate", 1.5}, {"orthogonalization_epsilon", 1e-8},
+                                     {"use_error_feedback", false}, {"random_seed", 7}}}};
+  c = parse_config(j);
+  EXPECT_EQ(c.ddp.comm_hook, "power_sgd");
+  EXPECT_EQ(c.ddp.power_sgd.matrix_approximation_rank, 4);
+  EXPECT_EQ(c.ddp.power_sgd.start_powerSGD_iter, 10);
+  EXPECT_FALSE(c.ddp.power_sgd.warm_start || c.ddp.power_sgd.use_error_feedback);
+  EXPECT_EQ(c.ddp.power_sgd.min_compression_rate, 1.5);
+  EXPECT_EQ(c.ddp.power_sgd.orthogonalization_epsilon, 1e-8);
+  EXPECT_EQ(c.ddp.power_sgd.random_seed, 7u);
   j["ddp"] = {{"comm_hook", "power_sgd"}};
-  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_hook\" \"power_sgd\" is not offered by tandem train"),
+  EXPECT_EQ(parse_config(j).ddp.power_sgd.start_powerSGD_iter, 1000);  // PyTorch's default
+  j["communication_data_type"] = "fp32";                               // PowerSGD's factors are f32: agrees
+  EXPECT_EQ(parse_config(j).ddp.comm_hook, "power_sgd");
+  j["communication_data_type"] = "fp16";
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("(PowerSGD sends f32 factors)"), std::string::npos);
+  j.erase("communication_data_type");
+  j["ddp"]["comm_state_option"] = {{"start_powerSGD_iter", 1}};
+  EXPECT_NE(error_of([&] { parse_config(j); })
+                .find("\"ddp.comm_state_option.start_powerSGD_iter\" is 1: it must be > 1 with use_error_feedback"),
+            std::string::npos);
+  j["ddp"] = {{"comm_state_option", {{"matrix_approximation_rank", 2}}}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_state_option\" configures PowerSGD, but \"ddp.comm_hook\" is \"no\""),
+            std::string::npos);
+  j["ddp"] = {{"comm_hook", "batched_power_sgd"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"batched_power_sgd\" is not offered by tandem train: its state is per bucket"),
             std::string::npos);
   j["ddp"] = {{"comm_hook", "powersgd"}};
   EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_hook\" is \"powersgd\", expected one of \"no\""),
@@ -257,12 +283,18 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   j["communication_data_type"] = "bf16";
   EXPECT_EQ(parse_config(j).ddp.comm_hook, "no");
   j["communication_data_type"] = "fp32";
-  EXPECT_NE(error_of([&] { parse_config(j); }).find("amp.opt_level O2 keeps bf16 parameters"), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("amp.opt_level O2 keeps bf16 parameters, whose gradients are reduced in bf16 (f32 "
+                                                  "accumulation); communication_data_type \"fp32\" applies"),
+            std::string::npos);
   j.erase("communication_data_type");
   j["ddp"] = {{"comm_hook", "fp16"}};
-  EXPECT_NE(error_of([&] { parse_config(j); }).find("the wire dtype asked for (\"fp16\") applies to f32 gradients only"),
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("ddp.comm_hook \"fp16\" applies to f32 gradients only"), std::string::npos);
+  j["ddp"] = {{"comm_hook", "power_sgd"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("ddp.comm_hook \"power_sgd\" applies to f32 gradients only"),
             std::string::npos);
-  j["amp"] = {{"opt_level", "O1"}};
+  j["amp"] = {{"opt_level", "O1"}};  // autocast keeps f32 parameters: both apply
+  EXPECT_EQ(parse_config(j).ddp.comm_hook, "power_sgd");
+  j["ddp"] = {{"comm_hook", "fp16"}};
   EXPECT_EQ(parse_config(j).ddp.comm_hook, "fp16");
 }
 

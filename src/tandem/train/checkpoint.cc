@@ -25,6 +25,7 @@ using nlohmann::json;
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kMasterFile = "master_weights.safetensors";
+constexpr const char* kCommHookFile = "comm_hook.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
 constexpr const char* kPrefix = "step_";
 
@@ -164,6 +165,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
       for (size_t i = 0; i < masters.size(); ++i) m.emplace_back(fmt::format("master.{}", i), masters[i]);
       save_safetensors(tmp + "/" + kMasterFile, m);
     }
+    if (!state.comm_hook.empty()) save_safetensors(tmp + "/" + kCommHookFile, state.comm_hook);
     write_file_durable(tmp + "/" + kStateFile, state_to_json(st).dump(1) + "\n");
     fsync_path(tmp, true);
     // ---- publish ----
@@ -229,6 +231,10 @@ CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& 
   std::optional<SafetensorsFile> master_file;
   const bool want_masters = target.amp && !target.amp->master_params().empty();
   if (want_masters) master_file = load_safetensors(dir + "/" + kMasterFile);
+  if (fs::exists(dir + "/" + kCommHookFile)) {
+    const SafetensorsFile hook_file = load_safetensors(dir + "/" + kCommHookFile);
+    for (const auto& [name, t] : hook_file.tensors) st.comm_hook.emplace_back(name, t);
+  }
 
   // ---- check the model: every name both ways, every shape ----
   const nn::StateDict live = target.model->state_dict();

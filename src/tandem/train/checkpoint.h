@@ -23,6 +23,8 @@ namespace tandem::train {
 //   optimizer.safetensors per-parameter state "state.<i>.<key>" (i over all groups' parameters, in
 //                         order); metadata "param_groups" (JSON list of each group's options)
 //   master_weights.safetensors  f32 master copies "master.<i>" (amp O2 only)
+//   comm_hook.safetensors the DDP communication hook's tensors (PowerSGD: every rank's error
+//                         feedback, the warm-start Qs), when it has state
 //   trainer_state.json    step, sampler epoch and position, scheduler step, RNG (seed, offset),
 //                         loss-scaler state, the config, and free-form extras
 struct CheckpointState {
@@ -34,6 +36,8 @@ struct CheckpointState {
   std::map<std::string, double> scaler;   // GradScaler / amp loss-scale state; empty: none
   nlohmann::json config;                  // the validated config of the run
   nlohmann::json extra = nlohmann::json::object();  // e.g. skipped-step counts, metrics
+  // comm_hook.safetensors (written when not empty; read when present). Its scalars go in `extra`.
+  std::vector<std::pair<std::string, Tensor>> comm_hook;
 };
 
 // The live objects a checkpoint is taken from and restored into. `amp` (optional) takes over the

@@ -94,6 +94,13 @@ const std::vector<Spec>& specs() {
       {"ddp.gradient_as_bucket_view", Kind::Bool},
       {"ddp.static_graph", Kind::Bool},
       {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd"}},
+      {"ddp.comm_state_option.matrix_approximation_rank", Kind::Int, 1, kInf},
+      {"ddp.comm_state_option.start_powerSGD_iter", Kind::Int, 0, kInf},
+      {"ddp.comm_state_option.min_compression_rate", Kind::Number, 0, kInf},
+      {"ddp.comm_state_option.use_error_feedback", Kind::Bool},
+      {"ddp.comm_state_option.warm_start", Kind::Bool},
+      {"ddp.comm_state_option.orthogonalization_epsilon", Kind::Number, 0, kInf},
+      {"ddp.comm_state_option.random_seed", Kind::Int, 0, 9007199254740992.0},
       {"ddp.sync_batchnorm", Kind::Bool},
       {"ddp.check_replicas_every", Kind::Int, 0, kInf},
       {"log.jsonl", Kind::Bool},
@@ -412,8 +419,8 @@ void apply_override(nlohmann::json& j, const std::string& assignment) {
   }
 }
 
-// The ddp section and DeepSpeed's communication_data_type (one setting: the wire dtype of f32
-// gradients). Needs c.opt_level, c.fp16 and c.bf16 parsed.
+// The ddp section and DeepSpeed's communication_data_type (the wire dtype of f32 gradients: the
+// same setting as comm_hook fp16/bf16). Needs c.opt_level, c.fp16 and c.bf16 parsed.
 void parse_ddp(Config& c, const json& j) {
   DdpConfig& d = c.ddp;
   get(j, "ddp.bucket_cap_mb", d.bucket_cap_mb);
@@ -424,33 +431,52 @@ void parse_ddp(Config& c, const json& j) {
   get(j, "ddp.comm_hook", d.comm_hook);
   get(j, "ddp.sync_batchnorm", d.sync_batchnorm);
   get_int(j, "ddp.check_replicas_every", d.check_replicas_every);
-  TANDEM_CHECK(d.comm_hook != "power_sgd" && d.comm_hook != "batched_power_sgd", ValueError,
-               "config: \"ddp.comm_hook\" \"{}\" is not offered by tandem train: PowerSGD keeps per-bucket state (error "
-               "feedback, warm-start Q) that checkpoints do not carry, so a resumed run would not continue exactly; use "
-               "\"fp16\" or \"bf16\", or the library's parallel::powerSGD_hook",
+  TANDEM_CHECK(d.comm_hook != "batched_power_sgd", ValueError,
+               "config: \"ddp.comm_hook\" \"batched_power_sgd\" is not offered by tandem train: its state is per bucket, and "
+               "a resumed run starts with another bucket layout, so it would not continue exactly; use \"power_sgd\" "
+               "(state per parameter, saved in checkpoints)");
+  PowerSGDConfig& ps = d.power_sgd;
+  get_int(j, "ddp.comm_state_option.matrix_approximation_rank", ps.matrix_approximation_rank);
+  get_int(j, "ddp.comm_state_option.start_powerSGD_iter", ps.start_powerSGD_iter);
+  get(j, "ddp.comm_state_option.min_compression_rate", ps.min_compression_rate);
+  get(j, "ddp.comm_state_option.use_error_feedback", ps.use_error_feedback);
+  get(j, "ddp.comm_state_option.warm_start", ps.warm_start);
+  get(j, "ddp.comm_state_option.orthogonalization_epsilon", ps.orthogonalization_epsilon);
+  if (const json* v = at(j, "ddp.comm_state_option.random_seed")) ps.random_seed = static_cast<uint64_t>(v->get<double>());
+  TANDEM_CHECK(!at(j, "ddp.comm_state_option") || d.comm_hook == "power_sgd", ValueError,
+               "config: \"ddp.comm_state_option\" configures PowerSGD, but \"ddp.comm_hook\" is \"{}\"; set it to "
+               "\"power_sgd\" or drop the options",
                d.comm_hook);
+  TANDEM_CHECK(!((ps.use_error_feedback || ps.warm_start) && ps.start_powerSGD_iter <= 1), ValueError,
+               "config: \"ddp.comm_state_option.start_powerSGD_iter\" is {}: it must be > 1 with use_error_feedback or "
+               "warm_start (PyTorch's rule)",
+               ps.start_powerSGD_iter);
+  // The gradients' wire dtype each way of asking gives.
+  const auto wire_of_hook = [](const std::string& h) { return h == "fp16" || h == "bf16" ? h : std::string("fp32"); };
   if (const json* v = at(j, "communication_data_type")) {
     // DeepSpeed's names: fp32 (the default wire), fp16, bf16 (alias bfp16).
     const std::string t = v->get<std::string>();
-    const std::string hook = t == "fp32" ? "no" : t == "fp16" ? "fp16" : "bf16";
-    TANDEM_CHECK(!at(j, "ddp.comm_hook") || d.comm_hook == hook, ValueError,
+    const std::string wire = t == "bfp16" ? "bf16" : t;
+    TANDEM_CHECK(!at(j, "ddp.comm_hook") || wire_of_hook(d.comm_hook) == wire, ValueError,
                  "config: \"communication_data_type\" \"{}\" and \"ddp.comm_hook\" \"{}\" disagree on the gradients' wire "
-                 "dtype; give one of them",
-                 t, d.comm_hook);
-    d.comm_hook = hook;
+                 "dtype{}; give one of them",
+                 t, d.comm_hook, d.comm_hook == "power_sgd" ? " (PowerSGD sends f32 factors)" : "");
+    if (!at(j, "ddp.comm_hook")) d.comm_hook = wire == "fp32" ? "no" : wire;
   }
   // O2/O3 cast the parameters, so the gradients are already 16-bit and reduce in their own dtype
-  // (f32 accumulation); a different wire dtype would be silently ignored.
+  // (f32 accumulation); another wire dtype or PowerSGD (f32 buckets only) would be silently ignored.
   if (c.opt_level == "O2" || c.opt_level == "O3") {
     const std::string low = c.bf16 ? "bf16" : "fp16";
-    const bool asks_other = (at(j, "communication_data_type") || at(j, "ddp.comm_hook")) && d.comm_hook != "no" &&
-                            d.comm_hook != low;
-    const bool asks_fp32 = at(j, "communication_data_type") && d.comm_hook == "no";
-    TANDEM_CHECK(!asks_other && !asks_fp32, ValueError,
-                 "config: amp.opt_level {} keeps {} parameters, whose gradients are reduced in {} (f32 accumulation); the "
-                 "wire dtype asked for (\"{}\") applies to f32 gradients only: drop communication_data_type / "
-                 "ddp.comm_hook, or use amp.opt_level O1",
-                 c.opt_level, low, low, asks_fp32 ? "fp32" : d.comm_hook);
+    std::string asked;
+    if (const json* v = at(j, "communication_data_type")) {
+      const std::string t = v->get<std::string>();
+      if ((t == "bfp16" ? "bf16" : t) != low) asked = "communication_data_type \"" + t + "\"";
+    }
+    if (asked.empty() && d.comm_hook != "no" && d.comm_hook != low) asked = "ddp.comm_hook \"" + d.comm_hook + "\"";
+    TANDEM_CHECK(asked.empty(), ValueError,
+                 "config: amp.opt_level {} keeps {} parameters, whose gradients are reduced in {} (f32 accumulation); {} "
+                 "applies to f32 gradients only: drop it, or use amp.opt_level O1",
+                 c.opt_level, low, low, asked);
     d.comm_hook = "no";
   }
 }

@@ -88,16 +88,29 @@ struct DistConfig {
 // DistributedDataParallel on more than one process (zero_optimization.stage 0): PyTorch's DDP
 // arguments by name, Accelerate's comm_hook values, and Tandem's replica check. Ignored on one
 // process.
+// PowerSGD's options (PyTorch's PowerSGDState arguments and defaults; Accelerate's comm_state_option).
+struct PowerSGDConfig {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;
+  double min_compression_rate = 2;
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0;
+  uint64_t random_seed = 0;
+};
+
 struct DdpConfig {
   double bucket_cap_mb = 25.0;
   bool broadcast_buffers = true;
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
-  // Wire dtype of f32 gradients: "no" (f32), "fp16" or "bf16" (torch's fp16/bf16_compress_hook:
-  // sent in 16 bits, accumulated in f32, cast back). DeepSpeed's top-level communication_data_type
-  // (fp32 | fp16 | bf16) sets the same thing.
+  // "no" (f32 all-reduce), "fp16" or "bf16" (torch's fp16/bf16_compress_hook: f32 gradients sent
+  // in 16 bits, accumulated in f32, cast back), or "power_sgd" (powerSGD_hook with `power_sgd`'s
+  // options; its state goes into checkpoints). DeepSpeed's top-level communication_data_type
+  // (fp32 | fp16 | bf16) sets the same wire dtype.
   std::string comm_hook = "no";
+  PowerSGDConfig power_sgd;  // ddp.comm_state_option
   bool sync_batchnorm = false;        // convert_sync_batchnorm on the model (W2's BatchNorms)
   int64_t check_replicas_every = 0;  // 0: never
 };
@@ -157,8 +170,9 @@ void apply_override(nlohmann::json& j, const std::string& assignment);
 //  * wrong type or range: names the key, the value and what is expected;
 //  * fp16.enabled and bf16.enabled both true;
 //  * zero_optimization.stage 1-3: not implemented yet;
-//  * ddp.comm_hook power_sgd (not resumable), a communication_data_type that contradicts
-//    ddp.comm_hook, or a wire dtype with amp O2/O3 (whose gradients are already 16-bit);
+//  * ddp.comm_hook batched_power_sgd (not resumable), comm_state_option without power_sgd, a
+//    communication_data_type that contradicts ddp.comm_hook, or a wire dtype or PowerSGD with
+//    amp O2/O3 (whose gradients are already 16-bit);
 //  * an inconsistent batch triple, showing the arithmetic
 //    (train_batch_size 100 != micro 16 * accumulation 2 * world size 2 = 64).
 Config parse_config(const nlohmann::json& j, int world_size = 1);

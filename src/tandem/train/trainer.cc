@@ -35,10 +35,12 @@
 #include "tandem/ops/elementwise.h"
 #include "tandem/ops/loss.h"
 #include "tandem/ops/reduce.h"
+#include "tandem/ops/shape.h"
 #include "tandem/optim/adam.h"
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/optim/sgd.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/powersgd.h"
 #include "tandem/parallel/sync_batch_norm.h"
 #include "tandem/train/checkpoint.h"
 #include "tandem/train/metrics.h"
@@ -220,6 +222,63 @@ std::vector<Tensor> optimizer_params(const optim::Optimizer& opt) {
   return out;
 }
 
+// PowerSGD's state for a checkpoint: the warm-start Qs (the same on every rank) as "q.<name>" and
+// every rank's error feedback as "error.<rank>.<name>" (all-gathered: every rank calls this), plus
+// the counters in `meta`.
+std::vector<std::pair<std::string, Tensor>> gather_powersgd(const parallel::PowerSGDState& state, dist::ProcessGroup& pg,
+                                                            json* meta) {
+  const parallel::PowerSGDState::Dict d = state.state_dict();
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [name, q] : d.q) out.emplace_back("q." + name, q);
+  int64_t total = 0;
+  std::vector<Tensor> parts;
+  for (const auto& [name, e] : d.error) {
+    total += e.numel();
+    parts.push_back(e);
+  }
+  // Every rank has errors for the same parameters (they all ran the same compressed steps).
+  Tensor mine = parts.empty() ? zeros({0}, kFloat32) : ops::cat(parts, 0);
+  Tensor all = zeros({static_cast<int64_t>(pg.size()) * total}, kFloat32);
+  if (total > 0) pg.all_gather(dist::as_buffer(all), dist::as_buffer(mine))->wait();
+  for (int r = 0; r < pg.size(); ++r) {
+    int64_t off = static_cast<int64_t>(r) * total;
+    for (const auto& [name, e] : d.error) {
+      out.emplace_back(fmt::format("error.{}.{}", r, name), all.narrow(0, off, e.numel()).clone());
+      off += e.numel();
+    }
+  }
+  *meta = {{"type", "power_sgd"},
+           {"iter", d.iter},
+           {"numel_before", d.numel_before},
+           {"numel_after", d.numel_after},
+           {"world_size", pg.size()}};
+  return out;
+}
+
+// Puts this rank's share of a checkpoint's PowerSGD state back. A checkpoint without one (saved
+// with another comm_hook) leaves the state fresh; one from another world size is refused (the
+// error feedback is per rank).
+void restore_powersgd(parallel::PowerSGDState& state, const CheckpointState& st, const std::string& dir, int rank,
+                      int world) {
+  if (!st.extra.contains("comm_hook")) return;
+  const json& meta = st.extra["comm_hook"];
+  const int saved_world = meta.value("world_size", 0);
+  TANDEM_CHECK(saved_world == world, ValueError,
+               "train: checkpoint {} holds PowerSGD error feedback of {} ranks, this run has {}; resume it with {} "
+               "processes (or start a new run directory)",
+               dir, saved_world, world, saved_world);
+  parallel::PowerSGDState::Dict d;
+  d.iter = meta.at("iter").get<int64_t>();
+  d.numel_before = meta.at("numel_before").get<int64_t>();
+  d.numel_after = meta.at("numel_after").get<int64_t>();
+  const std::string mine = fmt::format("error.{}.", rank);
+  for (const auto& [name, t] : st.comm_hook) {
+    if (name.rfind("q.", 0) == 0) d.q[name.substr(2)] = t;
+    if (name.rfind(mine, 0) == 0) d.error[name.substr(mine.size())] = t;
+  }
+  state.load_state_dict(d);
+}
+
 }  // namespace
 
 json TrainSummary::to_json() const {
@@ -302,6 +361,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   }
   std::shared_ptr<parallel::DistributedDataParallel> ddp;
   std::string ddp_describe;
+  std::shared_ptr<parallel::PowerSGDState> powersgd;
   if (pg) {
     const DdpConfig& dc = cfg.ddp;
     ddp = std::make_shared<parallel::DistributedDataParallel>(
@@ -315,9 +375,22 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     ddp->attach_optimizer(opt.get());
     if (dc.comm_hook == "fp16") ddp->register_comm_hook(parallel::fp16_compress_hook);
     if (dc.comm_hook == "bf16") ddp->register_comm_hook(parallel::bf16_compress_hook);
-    ddp_describe = fmt::format(", DDP over {}{}{}", cfg.dist.backend,
-                               dc.comm_hook == "no" ? "" : fmt::format(" with {} gradients on the wire", dc.comm_hook),
-                               sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "");
+    std::string hook_text = dc.comm_hook == "no" ? "" : fmt::format(" with {} gradients on the wire", dc.comm_hook);
+    if (dc.comm_hook == "power_sgd") {
+      const PowerSGDConfig& o = dc.power_sgd;
+      powersgd = std::make_shared<parallel::PowerSGDState>(parallel::PowerSGDOptions{
+          .matrix_approximation_rank = o.matrix_approximation_rank,
+          .start_powerSGD_iter = o.start_powerSGD_iter,
+          .min_compression_rate = o.min_compression_rate,
+          .use_error_feedback = o.use_error_feedback,
+          .warm_start = o.warm_start,
+          .orthogonalization_epsilon = o.orthogonalization_epsilon,
+          .random_seed = o.random_seed});
+      ddp->register_comm_hook(parallel::powerSGD_hook(powersgd));
+      hook_text = fmt::format(" with PowerSGD rank {} from iteration {}", o.matrix_approximation_rank, o.start_powerSGD_iter);
+    }
+    ddp_describe =
+        fmt::format(", DDP over {}{}{}", cfg.dist.backend, hook_text, sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "");
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
   DeepSpeedSchedule schedule(*opt, cfg.scheduler, total_steps);
@@ -338,6 +411,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       default_generator().manual_seed(st.rng_seed);
       default_generator().set_offset(st.rng_offset);
       skipped = st.extra.value("skipped_steps", int64_t{0});
+      if (powersgd) restore_powersgd(*powersgd, st, *dir, rank, world);
       resumed_from = *dir;
     }
   }
@@ -369,7 +443,11 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   double overhead_s = 0;  // checkpoints and evaluations, left out of train_seconds
   const auto save = [&](int64_t at_step) {
     const auto t0 = Clock::now();
-    // Every rank holds the same state (DDP); rank 0 writes it, the others wait for it.
+    // Every rank holds the same state (DDP); rank 0 writes it, the others wait for it. PowerSGD's
+    // error feedback is per rank: gathered to rank 0 first (a collective every rank makes here).
+    std::vector<std::pair<std::string, Tensor>> hook_tensors;
+    json hook_meta;
+    if (powersgd) hook_tensors = gather_powersgd(*powersgd, *pg, &hook_meta);
     if (main_rank) {
       CheckpointState st;
       st.step = at_step;
@@ -382,6 +460,10 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       if (prec.scaler) st.scaler = prec.scaler->state_dict();
       st.config = cfg.source;
       st.extra = {{"skipped_steps", skipped}, {"world_size", world}};
+      if (powersgd) {
+        st.extra["comm_hook"] = hook_meta;
+        st.comm_hook = std::move(hook_tensors);
+      }
       sum.last_checkpoint = save_checkpoint(ckpt_root, target, st, cfg.train.keep_last);
     }
     if (pg) pg->barrier()->wait();
