@@ -226,15 +226,21 @@ def make_ddp(cfg, model):
         find_unused_parameters=get(cfg, "ddp.find_unused_parameters", False),
         gradient_as_bucket_view=get(cfg, "ddp.gradient_as_bucket_view", False),
         static_graph=get(cfg, "ddp.static_graph", False))
-    wire = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}.get(get(cfg, "communication_data_type", ""),
-                                                                              get(cfg, "ddp.comm_hook", "no"))
+    wire = get(cfg, "ddp.comm_hook", "no")
+    if wire != "power_sgd":
+        wire = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}.get(get(cfg, "communication_data_type", ""), wire)
     if get(cfg, "amp.opt_level", "") not in ("O2", "O3") and wire in ("fp16", "bf16"):
         net.register_comm_hook(None, default_hooks.fp16_compress_hook if wire == "fp16" else default_hooks.bf16_compress_hook)
     if wire == "power_sgd":
         # torch's PowerSGD over gloo aborts once DDP has two buckets (../shared/BUILD-NOTES.md).
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         state = psgd.PowerSGDState(process_group=None, **get(cfg, "ddp.comm_state_option", {}))
-        net.register_comm_hook(state, psgd.powerSGD_hook)
+        wrapper = {"fp16": "fp16", "bf16": "bf16", "bfp16": "bf16"}.get(get(cfg, "communication_data_type", ""),
+                                                                        get(cfg, "ddp.comm_wrapper", "no"))
+        hook = psgd.powerSGD_hook
+        if wrapper in ("fp16", "bf16"):
+            hook = getattr(default_hooks, f"{wrapper}_compress_wrapper")(hook)
+        net.register_comm_hook(state, hook)
     return net
 
 

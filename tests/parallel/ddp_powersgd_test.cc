@@ -188,6 +188,62 @@ TEST(DDPPowerSGD, FullRankIsTheAverage) {
   }
 }
 
+// PowerSGD in 16 bits, at full rank on 2 ranks (no error feedback, no warm start): through
+// fp16_compress_wrapper / bf16_compress_wrapper on an f32 model (torch's pairing; the factors go
+// in 16 bits), and directly on a model whose parameters are bf16 (O2). Against the plain f32
+// average, per gradient: at full rank P spans every column, so what remains is rounding: the
+// bucket rounded to 16 bits, Q's all-reduce in 16 bits, the result rounded to 16 bits (three
+// half-ulps: ~8e-4 for fp16, ~6e-3 for bf16): bounds 3e-3 and 2e-2, measured 5.2e-4 and 6.3e-3.
+// With bf16 parameters the forward and backward also run in bf16 (their gradients are bf16
+// before any communication): bound 3e-2, measured 1.1e-2. Equal on every rank; the wrapped f32
+// result differs from the unwrapped one.
+TEST(DDPPowerSGD, SixteenBitWrappersAndBf16ParametersStayWithinTheirRounding) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    const PowerSGDOptions full{.matrix_approximation_rank = 16,
+                               .start_powerSGD_iter = 0,
+                               .min_compression_rate = 0,
+                               .use_error_feedback = false,
+                               .warm_start = false};
+    for (int variant = 0; variant < 3; ++variant) {  // fp16 wrapper, bf16 wrapper, bf16 parameters
+      const bool bf16_params = variant == 2;
+      const double tol = variant == 0 ? 3e-3 : variant == 1 ? 2e-2 : 3e-2;
+      auto a = std::make_shared<Net>(), ref = std::make_shared<Net>(), plain = std::make_shared<Net>();
+      if (bf16_params) a->to(td::kBFloat16);
+      DistributedDataParallel with(a, group), reference(ref, group), unwrapped(plain, group);
+      auto state = std::make_shared<PowerSGDState>(full);
+      td::parallel::CommHook hook = td::parallel::powerSGD_hook(state);
+      if (variant == 0) hook = td::parallel::fp16_compress_wrapper(hook);
+      if (variant == 1) hook = td::parallel::bf16_compress_wrapper(hook);
+      with.register_comm_hook(hook);
+      unwrapped.register_comm_hook(td::parallel::powerSGD_hook(std::make_shared<PowerSGDState>(full)));
+      for (int s = 0; s < 2; ++s) {
+        const Tensor x = batch(s, rank), y = target(s, rank);
+        for (auto* m : {static_cast<Net*>(a.get()), ref.get(), plain.get()}) m->zero_grad();
+        const Tensor out = bf16_params ? with(x.to(td::kBFloat16)).to(td::kFloat32) : with(x);
+        loss_of(out, y).backward();
+        loss_of(reference(x), y).backward();
+        loss_of(unwrapped(x), y).backward();
+        auto ga = a->named_parameters(), gr = ref->named_parameters(), gp = plain->named_parameters();
+        bool wrapper_changed_something = false;
+        for (size_t i = 0; i < ga.size(); ++i) {
+          const Tensor g = ga[i].second.grad();
+          const double d = rel_diff(g, gr[i].second.grad());
+          if (!(d <= tol)) {
+            fail(fmt::format("variant {} step {}: '{}' differs from the f32 average by rel {:.3g} (bound {})", variant, s,
+                             ga[i].first, d, tol));
+          }
+          if (!same_everywhere(*group, g)) fail(fmt::format("variant {}: '{}' differs across ranks", variant, ga[i].first));
+          if (g.dtype() != (bf16_params ? td::kBFloat16 : td::kFloat32)) fail("a gradient changed dtype");
+          wrapper_changed_something = wrapper_changed_something || !bitwise_equal(g.to(td::kFloat32), gp[i].second.grad());
+        }
+        if (!wrapper_changed_something) fail(fmt::format("variant {}: the same bits as f32 PowerSGD", variant));
+      }
+      if (state->compression_stats().numel_after <= 0) fail(fmt::format("variant {}: nothing compressed", variant));
+    }
+  });
+}
+
 // Rank-deficient gradients at full rank: 2 ranks x 2 samples give a 12x16 gradient of rank <= 4,
 // so P = M Q has dependent columns; they must not turn into normalised rounding noise that is not
 // orthogonal to the rest, for P Q^T to stay the average (within rel 1e-4 as above).

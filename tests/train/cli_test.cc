@@ -192,8 +192,8 @@ TEST(TrainCli, TwoProcessesResumeBitwiseAndMatchOneProcess) {
 // "ddp.comm_hook": "power_sgd" on 2 processes: the hook's state (each rank's error feedback, the
 // warm-start Qs, the counters) goes into the checkpoint, so a run stopped at step 4 and resumed
 // ends bit for bit where the uninterrupted one does, hook state included. The compression is on
-// (the losses leave the plain all-reduce's), and a resume with another world size is refused
-// before anything is overwritten.
+// (the losses leave the plain all-reduce's), "comm_wrapper": "bf16" sends its factors in bf16, and
+// a resume with another world size is refused before anything is overwritten.
 TEST(TrainCli, PowerSgdTwoProcessesResumeBitwise) {
   tandem::testing::TempDir dir;
   const std::string cfg = write_config(dir.path(), 8, 4);
@@ -233,6 +233,15 @@ TEST(TrainCli, PowerSgdTwoProcessesResumeBitwise) {
   ASSERT_EQ(ls.size(), 8u);
   EXPECT_EQ(lp[1], ls[1]);
   EXPECT_NE(lp.back(), ls.back());
+
+  // PowerSGD's factors in bf16 (bf16_compress_wrapper): within bf16 rounding of the f32 factors'
+  // run (0.2% relative, as the bf16 runs above), and not the same bits.
+  ASSERT_EQ(run(launch + psgd + " --set ddp.comm_wrapper=bf16 --out " + dir.path() + "/wrapped", &out), 0) << out;
+  EXPECT_NE(out.find("with PowerSGD rank 2 from iteration 2 in bf16"), std::string::npos) << out;
+  const std::vector<double> lw = losses(dir.path() + "/wrapped");
+  ASSERT_EQ(lw.size(), 8u);
+  for (size_t i = 0; i < ls.size(); ++i) EXPECT_NEAR(lw[i], ls[i], 2e-3 * std::abs(ls[i])) << "step " << i + 1;
+  EXPECT_NE(lw.back(), ls.back());
 
   // Resuming on 3 processes (batch 12): refused, naming both world sizes; the checkpoints stay.
   EXPECT_NE(run(kCli + " run --nproc-per-node 3 " + kCli + " train --config " + cfg + psgd +

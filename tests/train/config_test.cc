@@ -250,11 +250,25 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   EXPECT_EQ(c.ddp.power_sgd.random_seed, 7u);
   j["ddp"] = {{"comm_hook", "power_sgd"}};
   EXPECT_EQ(parse_config(j).ddp.power_sgd.start_powerSGD_iter, 1000);  // PyTorch's default
-  j["communication_data_type"] = "fp32";                               // PowerSGD's factors are f32: agrees
-  EXPECT_EQ(parse_config(j).ddp.comm_hook, "power_sgd");
+  // The wire dtype of PowerSGD's factors: comm_wrapper (Accelerate), or communication_data_type.
+  for (const auto& [type, wrapper] : std::vector<std::pair<std::string, std::string>>{
+           {"fp32", "no"}, {"fp16", "fp16"}, {"bf16", "bf16"}, {"bfp16", "bf16"}}) {
+    j["communication_data_type"] = type;
+    c = parse_config(j);
+    EXPECT_EQ(c.ddp.comm_hook, "power_sgd") << type;
+    EXPECT_EQ(c.ddp.comm_wrapper, wrapper) << type;
+  }
+  j["ddp"]["comm_wrapper"] = "bf16";  // bfp16 is bf16: they agree
+  EXPECT_EQ(parse_config(j).ddp.comm_wrapper, "bf16");
   j["communication_data_type"] = "fp16";
-  EXPECT_NE(error_of([&] { parse_config(j); }).find("(PowerSGD sends f32 factors)"), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_config(j); })
+                .find("\"communication_data_type\" \"fp16\" and \"ddp.comm_wrapper\" \"bf16\" disagree"),
+            std::string::npos);
   j.erase("communication_data_type");
+  EXPECT_EQ(parse_config(j).ddp.comm_wrapper, "bf16");
+  j["ddp"] = {{"comm_hook", "fp16"}, {"comm_wrapper", "fp16"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_wrapper\" \"fp16\" wraps PowerSGD"), std::string::npos);
+  j["ddp"] = {{"comm_hook", "power_sgd"}};
   j["ddp"]["comm_state_option"] = {{"start_powerSGD_iter", 1}};
   EXPECT_NE(error_of([&] { parse_config(j); })
                 .find("\"ddp.comm_state_option.start_powerSGD_iter\" is 1: it must be > 1 with use_error_feedback"),
@@ -289,9 +303,13 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   j.erase("communication_data_type");
   j["ddp"] = {{"comm_hook", "fp16"}};
   EXPECT_NE(error_of([&] { parse_config(j); }).find("ddp.comm_hook \"fp16\" applies to f32 gradients only"), std::string::npos);
-  j["ddp"] = {{"comm_hook", "power_sgd"}};
-  EXPECT_NE(error_of([&] { parse_config(j); }).find("ddp.comm_hook \"power_sgd\" applies to f32 gradients only"),
+  j["ddp"] = {{"comm_hook", "power_sgd"}, {"comm_wrapper", "fp16"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("ddp.comm_wrapper \"fp16\" applies to f32 gradients only"),
             std::string::npos);
+  j["ddp"] = {{"comm_hook", "power_sgd"}};  // PowerSGD compresses the bf16 gradients themselves
+  c = parse_config(j);
+  EXPECT_EQ(c.ddp.comm_hook, "power_sgd");
+  EXPECT_EQ(c.ddp.comm_wrapper, "no");
   j["amp"] = {{"opt_level", "O1"}};  // autocast keeps f32 parameters: both apply
   EXPECT_EQ(parse_config(j).ddp.comm_hook, "power_sgd");
   j["ddp"] = {{"comm_hook", "fp16"}};

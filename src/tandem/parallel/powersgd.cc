@@ -138,7 +138,9 @@ void PowerSGDState::maybe_increase_iter(const GradBucket& bucket) {
 }
 
 bool PowerSGDState::plain_average_now(const GradBucket& bucket) {
-  if (iter_ >= options_.start_powerSGD_iter && bucket.buffer.dtype() == kFloat32) return false;
+  const DType d = bucket.buffer.dtype();
+  const bool floating = d == kFloat32 || d == kFloat16 || d == kBFloat16;
+  if (iter_ >= options_.start_powerSGD_iter && floating) return false;
   maybe_increase_iter(bucket);
   return true;
 }
@@ -152,6 +154,19 @@ void add_error(Tensor& kept, Tensor& input) {
     kept = zeros({input.numel()}, kFloat32);
   }
 }
+
+// Sums an f32 tensor over the ranks, sent in `wire` (f32 in place; a 16-bit copy otherwise, the
+// backend accumulating in f32).
+void all_reduce_sum(dist::ProcessGroup& group, Tensor& t, DType wire) {
+  if (t.numel() == 0) return;
+  if (wire == kFloat32) {
+    group.all_reduce(t, dist::ReduceOp::SUM)->wait();
+    return;
+  }
+  Tensor w = t.to(wire);
+  group.all_reduce(w, dist::ReduceOp::SUM)->wait();
+  t.copy_(w);
+}
 }  // namespace
 
 HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::ProcessGroup& group, GradBucket& bucket) {
@@ -160,20 +175,23 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
   if (state.plain_average_now(bucket)) return allreduce_hook(group, bucket);
   NoGradGuard no_grad;
   const double world = group.size();
+  const DType wire = bucket.buffer.dtype();
   const std::vector<std::string>& names = bucket.parameter_names;
   TANDEM_CHECK(names.size() == bucket.gradients.size(), Error,
                "powerSGD_hook: bucket {} has {} parameter names for {} gradients", bucket.index, names.size(),
                bucket.gradients.size());
 
-  // Error feedback, per parameter: the input is the gradient plus what was lost last time; a copy
-  // of it gives this step's loss at the end.
-  std::vector<Tensor> input_copies;
-  if (o.use_error_feedback) {
-    for (size_t i = 0; i < names.size(); ++i) {
-      Tensor g = bucket.gradients[i];
+  // The f32 gradients to work on: the bucket's own memory for an f32 bucket, copies of a 16-bit
+  // one (written back, rounded, at the end). Error feedback, per parameter: the input is the
+  // gradient plus what was lost last time; a copy of it gives this step's loss at the end.
+  std::vector<Tensor> work_grads, input_copies;
+  for (size_t i = 0; i < names.size(); ++i) {
+    Tensor g = wire == kFloat32 ? bucket.gradients[i] : bucket.gradients[i].to(kFloat32);
+    if (o.use_error_feedback) {
       add_error(state.error_[names[i]], g);
       input_copies.push_back(g.clone());
     }
+    work_grads.push_back(g);
   }
 
   // Which gradients to compress: viewed as (rows, rest) (a vector as one column), worth it at this
@@ -183,7 +201,7 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
   std::vector<int64_t> ranks;
   int64_t p_size = 0, q_size = 0;
   for (size_t i = 0; i < names.size(); ++i) {
-    const Tensor& g = bucket.gradients[i];
+    const Tensor& g = work_grads[i];
     const int64_t n = g.dim() == 0 ? 1 : g.size(0);
     const int64_t m = n == 0 ? 0 : g.numel() / n;
     const int64_t r = std::min({n, m, o.matrix_approximation_rank});
@@ -224,7 +242,8 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
   }
   for (size_t i = 0; i < matrices.size(); ++i) ps[i].copy_(ops::matmul(matrices[i], qs[i]));
 
-  // The small gradients go first, as one flat all-reduce (summed; divided below).
+  // The small gradients go first, as one flat all-reduce in the bucket's dtype (summed; divided
+  // below).
   Tensor plain_flat;
   if (!plain.empty()) {
     std::vector<Tensor> flat;
@@ -233,13 +252,15 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
   } else {
     plain_flat = empty({0}, kFloat32);
   }
+  Tensor plain_wire = wire == kFloat32 ? plain_flat : plain_flat.to(wire);
   std::shared_ptr<dist::Work> work =
-      plain_flat.numel() > 0 ? group.all_reduce(plain_flat, dist::ReduceOp::SUM) : dist::Work::completed();
+      plain_wire.numel() > 0 ? group.all_reduce(plain_wire, dist::ReduceOp::SUM) : dist::Work::completed();
 
-  auto then = [sp, &group, bucket, plain, plain_flat, matrices, matrix_names, ps, qs, p_flat, q_flat, input_copies,
-               world]() mutable {
+  auto then = [sp, &group, bucket, wire, work_grads, plain, plain_flat, plain_wire, matrices, matrix_names, ps, qs, p_flat,
+               q_flat, input_copies, world]() mutable {
     PowerSGDState& st = *sp;
     NoGradGuard no_grad;
+    if (wire != kFloat32) plain_flat.copy_(plain_wire);
     plain_flat.mul_(1.0 / world);
     int64_t off = 0;
     for (Tensor& g : plain) {
@@ -247,10 +268,10 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
       off += g.numel();
     }
     // Summed P: orthonormalised next, so no division.
-    if (p_flat.numel() > 0) group.all_reduce(p_flat, dist::ReduceOp::SUM)->wait();
+    all_reduce_sum(group, p_flat, wire);
     for (Tensor& p : ps) orthogonalize(p, st.options_.orthogonalization_epsilon);
     for (size_t i = 0; i < matrices.size(); ++i) qs[i].copy_(ops::matmul(matrices[i].t(), ps[i]));
-    if (q_flat.numel() > 0) group.all_reduce(q_flat, dist::ReduceOp::SUM)->wait();
+    all_reduce_sum(group, q_flat, wire);
     q_flat.mul_(1.0 / world);
     for (size_t i = 0; i < matrices.size(); ++i) matrices[i].copy_(ops::matmul(ps[i], qs[i].t()));
     for (size_t i = 0; i < matrices.size(); ++i) {
@@ -260,9 +281,14 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
         st.q_memory_.erase(matrix_names[i]);
       }
     }
+    // A 16-bit bucket gets the result rounded to its dtype; the error is measured against that.
+    if (wire != kFloat32) {
+      for (size_t i = 0; i < work_grads.size(); ++i) bucket.gradients[i].copy_(work_grads[i]);
+    }
     if (st.options_.use_error_feedback) {
       for (size_t i = 0; i < input_copies.size(); ++i) {
-        st.error_[bucket.parameter_names[i]] = ops::sub(input_copies[i], bucket.gradients[i]).reshape({-1});
+        const Tensor result = wire == kFloat32 ? bucket.gradients[i] : bucket.gradients[i].to(kFloat32);
+        st.error_[bucket.parameter_names[i]] = ops::sub(input_copies[i], result).reshape({-1});
       }
     }
     st.maybe_increase_iter(bucket);
@@ -278,13 +304,14 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
   NoGradGuard no_grad;
   const int64_t bi = bucket.index, total = bucket.buffer.numel();
   const double world = group.size();
+  const DType wire = bucket.buffer.dtype();
   int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
   while (side * side < total) ++side;  // guard the rounding of sqrt
   const int64_t r = std::min(side, o.matrix_approximation_rank);
   state.numel_before_ += total;
   state.numel_after_ += 2 * side * r;
 
-  // The bucket, zero-padded to side x side (the bucket's own memory cannot grow).
+  // The bucket in f32, zero-padded to side x side (the bucket's own memory cannot grow).
   Tensor padded = zeros({side * side}, kFloat32);
   padded.narrow(0, 0, total).copy_(bucket.buffer);
   if (o.use_error_feedback) add_error(state.bucket_error_[bi], padded);
@@ -301,18 +328,25 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
   }
   orthogonalize(q, o.orthogonalization_epsilon);
   p.copy_(ops::matmul(matrix, q));
-  std::shared_ptr<dist::Work> work = group.all_reduce(p, dist::ReduceOp::SUM);  // orthonormalised next
+  // Summed P (orthonormalised next), in the bucket's dtype.
+  Tensor p_wire = wire == kFloat32 ? p : p.to(wire);
+  std::shared_ptr<dist::Work> work = group.all_reduce(p_wire, dist::ReduceOp::SUM);
 
-  auto then = [sp, &group, bucket, padded, matrix, p, q, input_copy, total, world]() mutable {
+  auto then = [sp, &group, bucket, wire, padded, matrix, p, p_wire, q, input_copy, total, world]() mutable {
     PowerSGDState& st = *sp;
     NoGradGuard no_grad;
+    if (wire != kFloat32) p.copy_(p_wire);
     orthogonalize(p, st.options_.orthogonalization_epsilon);
     q.copy_(ops::matmul(matrix.t(), p));
-    group.all_reduce(q, dist::ReduceOp::SUM)->wait();
+    all_reduce_sum(group, q, wire);
     q.mul_(1.0 / world);
     matrix.copy_(ops::matmul(p, q.t()));
-    if (st.options_.use_error_feedback) st.bucket_error_[bucket.index] = ops::sub(input_copy, padded);
     bucket.buffer.copy_(padded.narrow(0, 0, total));
+    if (st.options_.use_error_feedback) {
+      // Against what the bucket holds (rounded, for a 16-bit one); the padding is exact.
+      if (wire != kFloat32) padded.narrow(0, 0, total).copy_(bucket.buffer);
+      st.bucket_error_[bucket.index] = ops::sub(input_copy, padded);
+    }
     if (st.options_.warm_start) {
       st.bucket_q_memory_[bucket.index] = q.reshape({-1}).clone();
     } else {

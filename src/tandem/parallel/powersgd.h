@@ -14,8 +14,10 @@
 //       tandem::parallel::PowerSGDOptions{.matrix_approximation_rank = 2, .start_powerSGD_iter = 100});
 //   ddp.register_comm_hook(tandem::parallel::powerSGD_hook(state));
 //
-// The first start_powerSGD_iter iterations use the plain average (allreduce_hook). Buckets that
-// are not f32 (O2's bf16 / f16 parameters) always do. The result of a step is the same on every
+// The first start_powerSGD_iter iterations use the plain average (allreduce_hook). A 16-bit bucket
+// (O2's bf16 / f16 parameters, or an f32 one through fp16/bf16_compress_wrapper) is compressed
+// too: computed in f32, its P, Q and small gradients sent in its dtype, the result rounded into
+// it; other dtypes always take the plain average. The result of a step is the same on every
 // rank (bit for bit); it is an approximation of the average, exact when the rank reaches the
 // smaller side of every compressed matrix.
 #pragma once
@@ -87,7 +89,7 @@ class PowerSGDState {
   friend HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& state, dist::ProcessGroup& group,
                                             GradBucket& bucket);
   void maybe_increase_iter(const GradBucket& bucket);
-  // Before start_powerSGD_iter, or for a bucket that is not f32: the plain average this time
+  // Before start_powerSGD_iter, or for a bucket that is not f32, f16 or bf16: the plain average this time
   // (counting the iteration).
   bool plain_average_now(const GradBucket& bucket);
   // The stream a fresh Q of this iteration is drawn from, for a parameter name or a bucket.

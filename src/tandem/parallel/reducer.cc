@@ -611,7 +611,31 @@ HookResult compress_hook(dist::ProcessGroup& group, GradBucket& bucket, DType wi
   Tensor out = bucket.buffer;
   return {work, [compressed, out]() mutable { out.copy_(compressed); }};
 }
+
+CommHook compress_wrapper(CommHook hook, DType wire, const char* name) {
+  TANDEM_CHECK(hook != nullptr, ValueError, "{}: the hook to wrap is empty", name);
+  return [hook = std::move(hook), wire](dist::ProcessGroup& group, GradBucket& bucket) -> HookResult {
+    if (bucket.buffer.dtype() != kFloat32) return hook(group, bucket);
+    GradBucket low = bucket;
+    low.buffer = bucket.buffer.to(wire);
+    low.gradients.clear();
+    for (const Tensor& g : bucket.gradients) {
+      low.gradients.push_back(
+          make_view(low.buffer, g.shape(), contiguous_strides(g.shape()), low.buffer.offset() + g.offset() - bucket.buffer.offset()));
+    }
+    HookResult inner = hook(group, low);
+    Tensor out = bucket.buffer;
+    std::function<void()> then = inner.then;
+    return {inner.work, [then, low, out]() mutable {
+              if (then) then();
+              out.copy_(low.buffer);
+            }};
+  };
+}
 }  // namespace
+
+CommHook fp16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), kFloat16, "fp16_compress_wrapper"); }
+CommHook bf16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), kBFloat16, "bf16_compress_wrapper"); }
 
 HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket) {
   return compress_hook(group, bucket, kFloat16);

@@ -94,6 +94,7 @@ const std::vector<Spec>& specs() {
       {"ddp.gradient_as_bucket_view", Kind::Bool},
       {"ddp.static_graph", Kind::Bool},
       {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd"}},
+      {"ddp.comm_wrapper", Kind::Enum, 0, 0, {"no", "fp16", "bf16"}},
       {"ddp.comm_state_option.matrix_approximation_rank", Kind::Int, 1, kInf},
       {"ddp.comm_state_option.start_powerSGD_iter", Kind::Int, 0, kInf},
       {"ddp.comm_state_option.min_compression_rate", Kind::Number, 0, kInf},
@@ -451,20 +452,33 @@ void parse_ddp(Config& c, const json& j) {
                "config: \"ddp.comm_state_option.start_powerSGD_iter\" is {}: it must be > 1 with use_error_feedback or "
                "warm_start (PyTorch's rule)",
                ps.start_powerSGD_iter);
-  // The gradients' wire dtype each way of asking gives.
-  const auto wire_of_hook = [](const std::string& h) { return h == "fp16" || h == "bf16" ? h : std::string("fp32"); };
+  get(j, "ddp.comm_wrapper", d.comm_wrapper);
+  TANDEM_CHECK(d.comm_wrapper == "no" || d.comm_hook == "power_sgd", ValueError,
+               "config: \"ddp.comm_wrapper\" \"{}\" wraps PowerSGD (its factors sent in 16 bits), but \"ddp.comm_hook\" is "
+               "\"{}\"; for 16-bit gradients without PowerSGD set \"ddp.comm_hook\" to \"{}\"",
+               d.comm_wrapper, d.comm_hook, d.comm_wrapper);
+  // DeepSpeed's communication_data_type: the wire dtype. With PowerSGD it is the wrapper's.
   if (const json* v = at(j, "communication_data_type")) {
-    // DeepSpeed's names: fp32 (the default wire), fp16, bf16 (alias bfp16).
-    const std::string t = v->get<std::string>();
+    const std::string t = v->get<std::string>();  // fp32 | fp16 | bf16 | bfp16 (DeepSpeed's alias)
     const std::string wire = t == "bfp16" ? "bf16" : t;
-    TANDEM_CHECK(!at(j, "ddp.comm_hook") || wire_of_hook(d.comm_hook) == wire, ValueError,
-                 "config: \"communication_data_type\" \"{}\" and \"ddp.comm_hook\" \"{}\" disagree on the gradients' wire "
-                 "dtype{}; give one of them",
-                 t, d.comm_hook, d.comm_hook == "power_sgd" ? " (PowerSGD sends f32 factors)" : "");
-    if (!at(j, "ddp.comm_hook")) d.comm_hook = wire == "fp32" ? "no" : wire;
+    const std::string low = wire == "fp32" ? "no" : wire;
+    if (d.comm_hook == "power_sgd") {
+      TANDEM_CHECK(!at(j, "ddp.comm_wrapper") || d.comm_wrapper == low, ValueError,
+                   "config: \"communication_data_type\" \"{}\" and \"ddp.comm_wrapper\" \"{}\" disagree on the wire dtype of "
+                   "PowerSGD's factors; give one of them",
+                   t, d.comm_wrapper);
+      d.comm_wrapper = low;
+    } else {
+      TANDEM_CHECK(!at(j, "ddp.comm_hook") || d.comm_hook == low, ValueError,
+                   "config: \"communication_data_type\" \"{}\" and \"ddp.comm_hook\" \"{}\" disagree on the gradients' wire "
+                   "dtype; give one of them",
+                   t, d.comm_hook);
+      d.comm_hook = low;
+    }
   }
   // O2/O3 cast the parameters, so the gradients are already 16-bit and reduce in their own dtype
-  // (f32 accumulation); another wire dtype or PowerSGD (f32 buckets only) would be silently ignored.
+  // (f32 accumulation); another wire dtype would be silently ignored. PowerSGD compresses them
+  // (in f32, its factors sent in their dtype), so it stays, without a wrapper.
   if (c.opt_level == "O2" || c.opt_level == "O3") {
     const std::string low = c.bf16 ? "bf16" : "fp16";
     std::string asked;
@@ -472,12 +486,16 @@ void parse_ddp(Config& c, const json& j) {
       const std::string t = v->get<std::string>();
       if ((t == "bfp16" ? "bf16" : t) != low) asked = "communication_data_type \"" + t + "\"";
     }
-    if (asked.empty() && d.comm_hook != "no" && d.comm_hook != low) asked = "ddp.comm_hook \"" + d.comm_hook + "\"";
+    if (asked.empty() && (d.comm_hook == "fp16" || d.comm_hook == "bf16") && d.comm_hook != low) {
+      asked = "ddp.comm_hook \"" + d.comm_hook + "\"";
+    }
+    if (asked.empty() && d.comm_wrapper != "no" && d.comm_wrapper != low) asked = "ddp.comm_wrapper \"" + d.comm_wrapper + "\"";
     TANDEM_CHECK(asked.empty(), ValueError,
                  "config: amp.opt_level {} keeps {} parameters, whose gradients are reduced in {} (f32 accumulation); {} "
                  "applies to f32 gradients only: drop it, or use amp.opt_level O1",
                  c.opt_level, low, low, asked);
-    d.comm_hook = "no";
+    if (d.comm_hook != "power_sgd") d.comm_hook = "no";
+    d.comm_wrapper = "no";
   }
 }
 

@@ -110,6 +110,9 @@ struct DdpConfig {
   // options; its state goes into checkpoints). DeepSpeed's top-level communication_data_type
   // (fp32 | fp16 | bf16) sets the same wire dtype.
   std::string comm_hook = "no";
+  // power_sgd only: "fp16" / "bf16" runs it through fp16/bf16_compress_wrapper (its factors and
+  // small gradients sent in 16 bits); communication_data_type sets the same.
+  std::string comm_wrapper = "no";
   PowerSGDConfig power_sgd;  // ddp.comm_state_option
   bool sync_batchnorm = false;        // convert_sync_batchnorm on the model (W2's BatchNorms)
   int64_t check_replicas_every = 0;  // 0: never
@@ -170,9 +173,9 @@ void apply_override(nlohmann::json& j, const std::string& assignment);
 //  * wrong type or range: names the key, the value and what is expected;
 //  * fp16.enabled and bf16.enabled both true;
 //  * zero_optimization.stage 1-3: not implemented yet;
-//  * ddp.comm_hook batched_power_sgd (not resumable), comm_state_option without power_sgd, a
-//    communication_data_type that contradicts ddp.comm_hook, or a wire dtype or PowerSGD with
-//    amp O2/O3 (whose gradients are already 16-bit);
+//  * ddp.comm_hook batched_power_sgd (not resumable), comm_state_option or comm_wrapper without
+//    power_sgd, a communication_data_type that contradicts ddp.comm_hook / comm_wrapper, or
+//    another wire dtype than the parameters' with amp O2/O3 (whose gradients are 16-bit);
 //  * an inconsistent batch triple, showing the arithmetic
 //    (train_batch_size 100 != micro 16 * accumulation 2 * world size 2 = 64).
 Config parse_config(const nlohmann::json& j, int world_size = 1);

@@ -386,8 +386,12 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
           .warm_start = o.warm_start,
           .orthogonalization_epsilon = o.orthogonalization_epsilon,
           .random_seed = o.random_seed});
-      ddp->register_comm_hook(parallel::powerSGD_hook(powersgd));
-      hook_text = fmt::format(" with PowerSGD rank {} from iteration {}", o.matrix_approximation_rank, o.start_powerSGD_iter);
+      parallel::CommHook hook = parallel::powerSGD_hook(powersgd);
+      if (dc.comm_wrapper == "fp16") hook = parallel::fp16_compress_wrapper(hook);
+      if (dc.comm_wrapper == "bf16") hook = parallel::bf16_compress_wrapper(hook);
+      ddp->register_comm_hook(hook);
+      hook_text = fmt::format(" with PowerSGD rank {} from iteration {}{}", o.matrix_approximation_rank, o.start_powerSGD_iter,
+                              dc.comm_wrapper == "no" ? "" : fmt::format(" in {}", dc.comm_wrapper));
     }
     ddp_describe =
         fmt::format(", DDP over {}{}{}", cfg.dist.backend, hook_text, sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "");
