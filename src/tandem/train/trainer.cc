@@ -222,6 +222,24 @@ std::vector<Tensor> optimizer_params(const optim::Optimizer& opt) {
   return out;
 }
 
+// Where in its epoch a resumed run starts, in this run's micro-batches per rank. A checkpoint of
+// another world size or micro-batch size (the same global batch: the sampler gives step s the
+// same samples either way) stopped after batches_consumed x its micro-batch x its world samples
+// of the epoch; this run continues from that sample, or refuses when its micro-batches x ranks
+// do not divide it (naming the sizes), rather than repeat or skip data.
+int64_t resume_position(const CheckpointState& st, const std::string& dir, int world, int64_t micro) {
+  const int64_t saved_world = st.extra.value("world_size", int64_t{world});
+  const int64_t saved_micro = st.extra.value("micro_batch_size", micro);
+  if (saved_world == world && saved_micro == micro) return st.batches_consumed;
+  const int64_t samples = st.batches_consumed * saved_micro * saved_world;
+  TANDEM_CHECK(samples % (micro * world) == 0, ValueError,
+               "train: checkpoint {} stopped {} samples into epoch {} ({} ranks x micro-batch {}); this run's {} ranks x "
+               "micro-batch {} cannot resume at that sample: resume with {} ranks and micro-batch {}, or sizes whose "
+               "product divides {}",
+               dir, samples, st.epoch, saved_world, saved_micro, world, micro, saved_world, saved_micro, samples);
+  return samples / (micro * world);
+}
+
 // PowerSGD's state for a checkpoint: the warm-start Qs (the same on every rank) as "q.<name>" and
 // every rank's error feedback as "error.<rank>.<name>" (all-gathered: every rank calls this), plus
 // the counters in `meta`.
@@ -410,7 +428,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       const CheckpointState st = load_checkpoint(*dir, target);
       step = st.step;
       if (prec.scaler) prec.scaler->load_state_dict(st.scaler);
-      loader.load_state({st.epoch, st.batches_consumed});
+      loader.load_state({st.epoch, resume_position(st, *dir, world, cfg.train_micro_batch_size_per_gpu)});
       schedule.set_last_step(st.scheduler_step);
       default_generator().manual_seed(st.rng_seed);
       default_generator().set_offset(st.rng_offset);
@@ -463,7 +481,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       st.rng_offset = default_generator().offset();
       if (prec.scaler) st.scaler = prec.scaler->state_dict();
       st.config = cfg.source;
-      st.extra = {{"skipped_steps", skipped}, {"world_size", world}};
+      st.extra = {{"skipped_steps", skipped}, {"world_size", world}, {"micro_batch_size", cfg.train_micro_batch_size_per_gpu}};
       if (powersgd) {
         st.extra["comm_hook"] = hook_meta;
         st.comm_hook = std::move(hook_tensors);
