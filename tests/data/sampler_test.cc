@@ -296,3 +296,49 @@ TEST(Samplers, SequentialAndRandom) {
   EXPECT_THROW(td::data::SequentialSampler(-2), td::ValueError);
   EXPECT_THROW(td::data::RandomSampler(-2), td::ValueError);
 }
+
+// ---- block > 0 (Tandem's, for DDP's deterministic mode) ----
+
+TEST(DistributedSampler, BlocksAreDealtRoundRobinAndTheEpochIsCutToWholeRounds) {
+  // 11 indices, blocks of 2 over 2 ranks: rounds of 4, two whole rounds (8 indices), 3 dropped.
+  std::vector<Indices> got;
+  for (int64_t r = 0; r < 2; ++r) {
+    DistributedSampler s(11, {.num_replicas = 2, .rank = r, .shuffle = false, .block = 2});
+    EXPECT_EQ(s.size(), 4);
+    EXPECT_EQ(s.total_size(), 8);
+    got.push_back(s.indices());
+  }
+  EXPECT_EQ(got, (std::vector<Indices>{{0, 1, 4, 5}, {2, 3, 6, 7}}));
+  EXPECT_THROW(DistributedSampler(11, {.num_replicas = 2, .rank = 0, .block = -1}), td::ValueError);
+}
+
+TEST(DistributedSampler, BlocksGiveEveryWorldSizeTheSameGlobalBatches) {
+  // A step's global batch of 8 is 4 micro-batches of 2; on R ranks each takes 4 / R of them as
+  // one block of 8 / R. Micro-batch i of rank r is global micro-batch r * (4 / R) + i of the
+  // step, whatever R: the same 2 samples in the same order (shuffled, epoch 1).
+  const int64_t n = 37, micro = 2, per_step = 8;
+  std::vector<Indices> global;  // per R: the micro-batches in global order
+  for (int64_t R : {1, 2, 4}) {
+    const int64_t k = per_step / micro / R;
+    std::vector<Indices> ranks;
+    for (int64_t r = 0; r < R; ++r) {
+      DistributedSampler s(n, {.num_replicas = R, .rank = r, .shuffle = true, .seed = 5, .block = k * micro});
+      s.set_epoch(1);
+      ranks.push_back(s.indices());
+      EXPECT_EQ(s.size(), 32 / R);  // 4 whole steps of 8
+    }
+    Indices order;
+    for (int64_t step = 0; step < 4; ++step) {
+      for (int64_t r = 0; r < R; ++r) {
+        const auto& mine = ranks[static_cast<size_t>(r)];
+        order.insert(order.end(), mine.begin() + step * k * micro, mine.begin() + (step + 1) * k * micro);
+      }
+    }
+    global.push_back(order);
+  }
+  EXPECT_EQ(global[0], global[1]);
+  EXPECT_EQ(global[0], global[2]);
+  Indices sorted = global[0];
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end());  // no sample twice
+}

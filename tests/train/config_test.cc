@@ -289,6 +289,28 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.bucket_cap_mb\" is 0, expected a number >= 1e-06"),
             std::string::npos);
 
+  // Deterministic mode: a power-of-two micro-batch count per rank, a model without BatchNorm, the
+  // exact gradients.
+  j = base();  // batch 32
+  j["train_micro_batch_size_per_gpu"] = 4;
+  j["ddp"] = {{"deterministic", true}};
+  EXPECT_TRUE(parse_config(j, 2).ddp.deterministic);  // 4 per rank
+  j["train_batch_size"] = 24;
+  EXPECT_NE(error_of([&] { parse_config(j, 2); })
+                .find("needs a power-of-two number of them per step; this run has 3 (train_batch_size 24 = micro-batch 4 x "
+                      "accumulation 3 x 2 processes)"),
+            std::string::npos);
+  j["train_batch_size"] = 32;
+  j["model"] = {{"name", "cnn"}};
+  EXPECT_NE(error_of([&] { parse_config(j, 2); }).find("\"ddp.deterministic\" with model \"cnn\": its BatchNorm running"),
+            std::string::npos);
+  j["model"] = {{"name", "mlp"}};
+  j["ddp"]["comm_hook"] = "bf16";
+  EXPECT_NE(error_of([&] { parse_config(j, 2); }).find("drop \"ddp.comm_hook\" \"bf16\""), std::string::npos);
+  j["ddp"].erase("comm_hook");
+  j["communication_data_type"] = "fp16";
+  EXPECT_NE(error_of([&] { parse_config(j, 2); }).find("drop \"communication_data_type\" \"fp16\""), std::string::npos);
+
   // O2 keeps bf16 parameters: their gradients go in bf16 whatever is asked; asking for another
   // wire dtype is an error, asking for theirs is a no-op.
   j = base();

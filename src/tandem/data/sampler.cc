@@ -75,7 +75,13 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, const Options& opti
   // torch: num_samples = ceil((N - R) / R) when drop_last and R does not divide N, which is
   // floor(N / R) for every N >= 0; else ceil(N / R).
   // (N + R - 1) / R would overflow for R near INT64_MAX; this form cannot.
-  num_samples_ = dataset_size_ / num_replicas_ + (!options.drop_last && dataset_size_ % num_replicas_ != 0 ? 1 : 0);
+  TANDEM_CHECK(options.block >= 0, ValueError, "DistributedSampler: block must be >= 0, got {}", options.block);
+  if (options.block > 0) {
+    const int64_t blocks = dataset_size_ / options.block / num_replicas_;  // per rank
+    num_samples_ = blocks * options.block;
+  } else {
+    num_samples_ = dataset_size_ / num_replicas_ + (!options.drop_last && dataset_size_ % num_replicas_ != 0 ? 1 : 0);
+  }
   total_size_ = num_samples_ * num_replicas_;
 }
 
@@ -92,6 +98,13 @@ std::vector<int64_t> DistributedSampler::indices() const {
   // positions r, r + R, r + 2R, ... below total_size (counted by j: p + R could overflow).
   std::vector<int64_t> mine;
   mine.reserve(static_cast<size_t>(num_samples_));
+  if (const int64_t b = options_.block; b > 0) {
+    for (int64_t j = 0; j < num_samples_ / b; ++j) {
+      const int64_t start = (j * num_replicas_ + rank_) * b;
+      mine.insert(mine.end(), all.begin() + start, all.begin() + start + b);
+    }
+    return mine;
+  }
   for (int64_t j = 0; j < num_samples_; ++j) {
     const int64_t p = rank_ + j * num_replicas_;  // < total_size = num_samples * R
     mine.push_back(all[static_cast<size_t>(p % dataset_size_)]);

@@ -91,6 +91,13 @@ struct DistributedSamplerOptions {
   bool shuffle = true;
   uint64_t seed = 0;  // must be the same on every rank
   bool drop_last = false;
+  // Beyond torch: 0 deals single indices round-robin (torch's rule, below); B > 0 deals
+  // contiguous blocks of B: rank r takes positions [(jR + r)B, (jR + r + 1)B) for j = 0, 1, ...,
+  // and the epoch is cut to a multiple of R * B (drop_last is implied: padding would repeat
+  // samples). With B = micro-batch x micro-batches per step, each rank's micro-batches of a step
+  // are consecutive pieces of the step's global batch, the same pieces for every R (DDP's
+  // deterministic mode).
+  int64_t block = 0;
 };
 
 // torch.utils.data.distributed.DistributedSampler: each of num_replicas processes takes a
@@ -101,6 +108,7 @@ struct DistributedSamplerOptions {
 //      to total_size = ceil(N / R) * R, so some indices appear twice;
 //      drop_last=true: truncate to total_size = floor(N / R) * R.
 //   3. rank r takes indices[r : total_size : R], num_samples = total_size / R of them.
+//   (block B > 0: 2. truncate to a multiple of R * B; 3. rank r takes blocks r, r + R, ... of B.)
 // Every rank must use the same seed and epoch, or the shares overlap. num_replicas and rank are
 // explicit until the process group exists (they then default from it, like torch's).
 class DistributedSampler : public Sampler {

@@ -103,6 +103,7 @@ const std::vector<Spec>& specs() {
       {"ddp.comm_state_option.orthogonalization_epsilon", Kind::Number, 0, kInf},
       {"ddp.comm_state_option.random_seed", Kind::Int, 0, 9007199254740992.0},
       {"ddp.sync_batchnorm", Kind::Bool},
+      {"ddp.deterministic", Kind::Bool},
       {"ddp.check_replicas_every", Kind::Int, 0, kInf},
       {"log.jsonl", Kind::Bool},
       {"log.tensorboard", Kind::Bool},
@@ -432,6 +433,23 @@ void parse_ddp(Config& c, const json& j) {
   get(j, "ddp.comm_hook", d.comm_hook);
   get(j, "ddp.sync_batchnorm", d.sync_batchnorm);
   get_int(j, "ddp.check_replicas_every", d.check_replicas_every);
+  get(j, "ddp.deterministic", d.deterministic);
+  if (d.deterministic) {
+    const int64_t k = c.gradient_accumulation_steps;
+    TANDEM_CHECK((k & (k - 1)) == 0, ValueError,
+                 "config: \"ddp.deterministic\" sums each rank's micro-batches in a binary tree, which needs a power-of-two "
+                 "number of them per step; this run has {} (train_batch_size {} = micro-batch {} x accumulation {} x {} "
+                 "processes): pick sizes that make it 1, 2, 4, ...",
+                 k, c.train_batch_size, c.train_micro_batch_size_per_gpu, k, c.world_size);
+    TANDEM_CHECK(c.model.name == "mlp" || c.model.name == "gpt", ValueError,
+                 "config: \"ddp.deterministic\" with model \"{}\": its BatchNorm running statistics depend on which rank "
+                 "saw which micro-batch, so they would differ between world sizes; use it with mlp or gpt",
+                 c.model.name);
+    TANDEM_CHECK(!at(j, "ddp.comm_hook") || d.comm_hook == "no", ValueError,
+                 "config: \"ddp.deterministic\" gathers the exact gradients (no communication hook); drop \"ddp.comm_hook\" "
+                 "\"{}\"",
+                 d.comm_hook);
+  }
   TANDEM_CHECK(d.comm_hook != "batched_power_sgd", ValueError,
                "config: \"ddp.comm_hook\" \"batched_power_sgd\" is not offered by tandem train: its state is per bucket, and "
                "a resumed run starts with another bucket layout, so it would not continue exactly; use \"power_sgd\" "
@@ -459,6 +477,9 @@ void parse_ddp(Config& c, const json& j) {
                d.comm_wrapper, d.comm_hook, d.comm_wrapper);
   // DeepSpeed's communication_data_type: the wire dtype. With PowerSGD it is the wrapper's.
   if (const json* v = at(j, "communication_data_type")) {
+    TANDEM_CHECK(!d.deterministic || v->get<std::string>() == "fp32", ValueError,
+                 "config: \"ddp.deterministic\" gathers the exact f32 gradients; drop \"communication_data_type\" \"{}\"",
+                 v->get<std::string>());
     const std::string t = v->get<std::string>();  // fp32 | fp16 | bf16 | bfp16 (DeepSpeed's alias)
     const std::string wire = t == "bfp16" ? "bf16" : t;
     const std::string low = wire == "fp32" ? "no" : wire;

@@ -115,6 +115,12 @@ struct DdpConfig {
   std::string comm_wrapper = "no";
   PowerSGDConfig power_sgd;  // ddp.comm_state_option
   bool sync_batchnorm = false;        // convert_sync_batchnorm on the model (W2's BatchNorms)
+  // DDP's deterministic mode (also on one process): each rank's micro-batches are consecutive
+  // pieces of the step's global batch (DistributedSampler block), summed in one fixed binary
+  // tree, so 1, 2, 4, ... processes on the same train_batch_size and micro-batch size train
+  // bitwise-identical weights. Needs a power-of-two accumulation count and a model without
+  // BatchNorm (mlp, gpt); each epoch drops its last partial global batch.
+  bool deterministic = false;
   int64_t check_replicas_every = 0;  // 0: never
 };
 

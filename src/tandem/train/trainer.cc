@@ -28,6 +28,7 @@
 #include "tandem/data/text.h"
 #include "tandem/data/vision.h"
 #include "tandem/dist/process_group.h"
+#include "tandem/dist/store.h"
 #include "tandem/nn/models/cnn.h"
 #include "tandem/nn/models/gpt.h"
 #include "tandem/nn/models/mlp.h"
@@ -334,6 +335,11 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     io.backend = cfg.dist.backend;
     io.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
     pg = dist::is_initialized() ? dist::default_group() : dist::init_process_group(io);
+  } else if (cfg.ddp.deterministic) {
+    // One process in deterministic mode still sums its micro-batches in DDP's tree: a group of one.
+    pg = dist::make_process_group(
+        "shm", std::make_shared<dist::HashStore>(),
+        0, 1, {.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000))});
   }
   const int rank = pg ? pg->rank() : 0;
   const bool main_rank = rank == 0;
@@ -343,7 +349,14 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   // ---- data: each rank its DistributedSampler share, micro-batches of train_micro_batch_size_per_gpu ----
   const Data data = make_data(cfg);
   data::DistributedSampler sampler(data.train->size(),
-                                   {.num_replicas = world, .rank = rank, .shuffle = true, .seed = cfg.seed, .drop_last = true});
+                                   {.num_replicas = world,
+                                    .rank = rank,
+                                    .shuffle = true,
+                                    .seed = cfg.seed,
+                                    .drop_last = true,
+                                    .block = cfg.ddp.deterministic
+                                                 ? cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+                                                 : 0});
   // The sampler gives every rank an equal share (drop_last there trims the dataset to a multiple
   // of the world size), so a partial last micro-batch has the same size on every rank.
   data::DataLoader loader(*data.train, {.batch_size = cfg.train_micro_batch_size_per_gpu,
@@ -389,7 +402,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
                              .find_unused_parameters = dc.find_unused_parameters,
                              .gradient_as_bucket_view = dc.gradient_as_bucket_view,
                              .static_graph = dc.static_graph,
-                             .check_replicas_every = dc.check_replicas_every});
+                             .check_replicas_every = dc.check_replicas_every,
+                             .deterministic = dc.deterministic});
     ddp->attach_optimizer(opt.get());
     if (dc.comm_hook == "fp16") ddp->register_comm_hook(parallel::fp16_compress_hook);
     if (dc.comm_hook == "bf16") ddp->register_comm_hook(parallel::bf16_compress_hook);
@@ -411,8 +425,9 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       hook_text = fmt::format(" with PowerSGD rank {} from iteration {}{}", o.matrix_approximation_rank, o.start_powerSGD_iter,
                               dc.comm_wrapper == "no" ? "" : fmt::format(" in {}", dc.comm_wrapper));
     }
-    ddp_describe =
-        fmt::format(", DDP over {}{}{}", cfg.dist.backend, hook_text, sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "");
+    ddp_describe = fmt::format(", DDP over {}{}{}{}", world > 1 ? cfg.dist.backend : "one process", hook_text,
+                               sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "",
+                               dc.deterministic ? ", deterministic" : "");
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
   DeepSpeedSchedule schedule(*opt, cfg.scheduler, total_steps);
@@ -548,7 +563,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
         loss = batch_loss(net, prec.input(batch[0]), batch[1], data.text);
       }
       loss_sum += loss.item();
-      const Tensor scaled_for_accum = gas > 1 ? loss / static_cast<double>(gas) : loss;
+      // (Deterministic mode: DDP divides the tree's sum by the micro-batch count itself.)
+      const Tensor scaled_for_accum = gas > 1 && !cfg.ddp.deterministic ? loss / static_cast<double>(gas) : loss;
       if (prec.amp) {
         prec.amp->scale(scaled_for_accum).backward();
       } else if (prec.scaler) {
