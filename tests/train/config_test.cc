@@ -198,22 +198,22 @@ TEST(Config, ZeroStagesAboveZeroAreNotImplementedYet) {
 TEST(Config, DdpSectionAndCommunicationDataType) {
   // Defaults: PyTorch's DDP arguments, f32 on the wire.
   Config c = parse_config(base());
-  EXPECT_EQ(c.ddp.bucket_cap_mb, 25.0);
-  EXPECT_TRUE(c.ddp.broadcast_buffers);
-  EXPECT_FALSE(c.ddp.find_unused_parameters || c.ddp.gradient_as_bucket_view || c.ddp.static_graph || c.ddp.sync_batchnorm);
+  EXPECT_EQ(c.ddp.options.bucket_cap_mb, 25.0);
+  EXPECT_TRUE(c.ddp.options.broadcast_buffers);
+  EXPECT_FALSE(c.ddp.options.find_unused_parameters || c.ddp.options.gradient_as_bucket_view || c.ddp.options.static_graph || c.ddp.sync_batchnorm);
   EXPECT_EQ(c.ddp.comm_hook, "no");
-  EXPECT_EQ(c.ddp.check_replicas_every, 0);
+  EXPECT_EQ(c.ddp.options.check_replicas_every, 0);
 
   json j = base();
   j["ddp"] = {{"bucket_cap_mb", 4.5},     {"broadcast_buffers", false}, {"find_unused_parameters", true},
               {"gradient_as_bucket_view", true}, {"static_graph", true},  {"comm_hook", "fp16"},
               {"sync_batchnorm", true},   {"check_replicas_every", 7}};
   c = parse_config(j);
-  EXPECT_EQ(c.ddp.bucket_cap_mb, 4.5);
-  EXPECT_FALSE(c.ddp.broadcast_buffers);
-  EXPECT_TRUE(c.ddp.find_unused_parameters && c.ddp.gradient_as_bucket_view && c.ddp.static_graph && c.ddp.sync_batchnorm);
+  EXPECT_EQ(c.ddp.options.bucket_cap_mb, 4.5);
+  EXPECT_FALSE(c.ddp.options.broadcast_buffers);
+  EXPECT_TRUE(c.ddp.options.find_unused_parameters && c.ddp.options.gradient_as_bucket_view && c.ddp.options.static_graph && c.ddp.sync_batchnorm);
   EXPECT_EQ(c.ddp.comm_hook, "fp16");
-  EXPECT_EQ(c.ddp.check_replicas_every, 7);
+  EXPECT_EQ(c.ddp.options.check_replicas_every, 7);
 
   // DeepSpeed's communication_data_type is the same setting (bfp16 is DeepSpeed's alias of bf16).
   for (const auto& [type, hook] : std::vector<std::pair<std::string, std::string>>{
@@ -294,7 +294,7 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   j = base();  // batch 32
   j["train_micro_batch_size_per_gpu"] = 4;
   j["ddp"] = {{"deterministic", true}};
-  EXPECT_TRUE(parse_config(j, 2).ddp.deterministic);  // 4 per rank
+  EXPECT_TRUE(parse_config(j, 2).ddp.options.deterministic);  // 4 per rank
   j["train_batch_size"] = 24;
   EXPECT_NE(error_of([&] { parse_config(j, 2); })
                 .find("needs a power-of-two number of them per step; this run has 3 (train_batch_size 24 = micro-batch 4 x "

@@ -425,16 +425,17 @@ void apply_override(nlohmann::json& j, const std::string& assignment) {
 // same setting as comm_hook fp16/bf16). Needs c.opt_level, c.fp16 and c.bf16 parsed.
 void parse_ddp(Config& c, const json& j) {
   DdpConfig& d = c.ddp;
-  get(j, "ddp.bucket_cap_mb", d.bucket_cap_mb);
-  get(j, "ddp.broadcast_buffers", d.broadcast_buffers);
-  get(j, "ddp.find_unused_parameters", d.find_unused_parameters);
-  get(j, "ddp.gradient_as_bucket_view", d.gradient_as_bucket_view);
-  get(j, "ddp.static_graph", d.static_graph);
+  parallel::DDPOptions& o = d.options;
+  get(j, "ddp.bucket_cap_mb", o.bucket_cap_mb);
+  get(j, "ddp.broadcast_buffers", o.broadcast_buffers);
+  get(j, "ddp.find_unused_parameters", o.find_unused_parameters);
+  get(j, "ddp.gradient_as_bucket_view", o.gradient_as_bucket_view);
+  get(j, "ddp.static_graph", o.static_graph);
+  get_int(j, "ddp.check_replicas_every", o.check_replicas_every);
+  get(j, "ddp.deterministic", o.deterministic);
   get(j, "ddp.comm_hook", d.comm_hook);
   get(j, "ddp.sync_batchnorm", d.sync_batchnorm);
-  get_int(j, "ddp.check_replicas_every", d.check_replicas_every);
-  get(j, "ddp.deterministic", d.deterministic);
-  if (d.deterministic) {
+  if (o.deterministic) {
     const int64_t k = c.gradient_accumulation_steps;
     TANDEM_CHECK((k & (k - 1)) == 0, ValueError,
                  "config: \"ddp.deterministic\" sums each rank's micro-batches in a binary tree, which needs a power-of-two "
@@ -454,7 +455,7 @@ void parse_ddp(Config& c, const json& j) {
                "config: \"ddp.comm_hook\" \"batched_power_sgd\" is not offered by tandem train: its state is per bucket, and "
                "a resumed run starts with another bucket layout, so it would not continue exactly; use \"power_sgd\" "
                "(state per parameter, saved in checkpoints)");
-  PowerSGDConfig& ps = d.power_sgd;
+  parallel::PowerSGDOptions& ps = d.power_sgd;
   get_int(j, "ddp.comm_state_option.matrix_approximation_rank", ps.matrix_approximation_rank);
   get_int(j, "ddp.comm_state_option.start_powerSGD_iter", ps.start_powerSGD_iter);
   get(j, "ddp.comm_state_option.min_compression_rate", ps.min_compression_rate);
@@ -477,7 +478,7 @@ void parse_ddp(Config& c, const json& j) {
                d.comm_wrapper, d.comm_hook, d.comm_wrapper);
   // DeepSpeed's communication_data_type: the wire dtype. With PowerSGD it is the wrapper's.
   if (const json* v = at(j, "communication_data_type")) {
-    TANDEM_CHECK(!d.deterministic || v->get<std::string>() == "fp32", ValueError,
+    TANDEM_CHECK(!o.deterministic || v->get<std::string>() == "fp32", ValueError,
                  "config: \"ddp.deterministic\" gathers the exact f32 gradients; drop \"communication_data_type\" \"{}\"",
                  v->get<std::string>());
     const std::string t = v->get<std::string>();  // fp32 | fp16 | bf16 | bfp16 (DeepSpeed's alias)

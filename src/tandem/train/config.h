@@ -12,6 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tandem/parallel/ddp.h"
+#include "tandem/parallel/powersgd.h"
+
 namespace tandem::train {
 
 struct OptimizerConfig {
@@ -88,40 +91,27 @@ struct DistConfig {
 // DistributedDataParallel on more than one process (zero_optimization.stage 0): PyTorch's DDP
 // arguments by name, Accelerate's comm_hook values, and Tandem's replica check. Ignored on one
 // process.
-// PowerSGD's options (PyTorch's PowerSGDState arguments and defaults; Accelerate's comm_state_option).
-struct PowerSGDConfig {
-  int64_t matrix_approximation_rank = 1;
-  int64_t start_powerSGD_iter = 1000;
-  double min_compression_rate = 2;
-  bool use_error_feedback = true;
-  bool warm_start = true;
-  double orthogonalization_epsilon = 0;
-  uint64_t random_seed = 0;
-};
-
+// DistributedDataParallel on more than one process (zero_optimization.stage 0), and on one in
+// deterministic mode.
 struct DdpConfig {
-  double bucket_cap_mb = 25.0;
-  bool broadcast_buffers = true;
-  bool find_unused_parameters = false;
-  bool gradient_as_bucket_view = false;
-  bool static_graph = false;
+  // PyTorch's DDP arguments by name (bucket_cap_mb, broadcast_buffers, find_unused_parameters,
+  // gradient_as_bucket_view, static_graph) and Tandem's check_replicas_every and deterministic.
+  // deterministic (also on one process): each rank's micro-batches are consecutive pieces of the
+  // step's global batch (DistributedSampler block), summed in one fixed binary tree, so 1, 2, 4,
+  // ... processes on the same train_batch_size and micro-batch size train bitwise-identical
+  // weights. It needs a power-of-two accumulation count and a model without BatchNorm (mlp, gpt);
+  // each epoch drops its last partial global batch.
+  parallel::DDPOptions options;
   // "no" (f32 all-reduce), "fp16" or "bf16" (torch's fp16/bf16_compress_hook: f32 gradients sent
   // in 16 bits, accumulated in f32, cast back), or "power_sgd" (powerSGD_hook with `power_sgd`'s
-  // options; its state goes into checkpoints). DeepSpeed's top-level communication_data_type
-  // (fp32 | fp16 | bf16) sets the same wire dtype.
+  // options, Accelerate's comm_state_option; its state goes into checkpoints). DeepSpeed's
+  // top-level communication_data_type (fp32 | fp16 | bf16) sets the same wire dtype.
   std::string comm_hook = "no";
   // power_sgd only: "fp16" / "bf16" runs it through fp16/bf16_compress_wrapper (its factors and
   // small gradients sent in 16 bits); communication_data_type sets the same.
   std::string comm_wrapper = "no";
-  PowerSGDConfig power_sgd;  // ddp.comm_state_option
-  bool sync_batchnorm = false;        // convert_sync_batchnorm on the model (W2's BatchNorms)
-  // DDP's deterministic mode (also on one process): each rank's micro-batches are consecutive
-  // pieces of the step's global batch (DistributedSampler block), summed in one fixed binary
-  // tree, so 1, 2, 4, ... processes on the same train_batch_size and micro-batch size train
-  // bitwise-identical weights. Needs a power-of-two accumulation count and a model without
-  // BatchNorm (mlp, gpt); each epoch drops its last partial global batch.
-  bool deterministic = false;
-  int64_t check_replicas_every = 0;  // 0: never
+  parallel::PowerSGDOptions power_sgd;
+  bool sync_batchnorm = false;  // convert_sync_batchnorm on the model (W2's BatchNorms)
 };
 
 struct LogConfig {

@@ -335,7 +335,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     io.backend = cfg.dist.backend;
     io.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
     pg = dist::is_initialized() ? dist::default_group() : dist::init_process_group(io);
-  } else if (cfg.ddp.deterministic) {
+  } else if (cfg.ddp.options.deterministic) {
     // One process in deterministic mode still sums its micro-batches in DDP's tree: a group of one.
     pg = dist::make_process_group(
         "shm", std::make_shared<dist::HashStore>(),
@@ -354,11 +354,13 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
                                     .shuffle = true,
                                     .seed = cfg.seed,
                                     .drop_last = true,
-                                    .block = cfg.ddp.deterministic
+                                    .block = cfg.ddp.options.deterministic
                                                  ? cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
                                                  : 0});
   // The sampler gives every rank an equal share (drop_last there trims the dataset to a multiple
-  // of the world size), so a partial last micro-batch has the same size on every rank.
+  // of the world size), so a partial last micro-batch has the same size on every rank. In
+  // deterministic mode it deals whole per-rank blocks of each global batch instead (and cuts the
+  // epoch to whole global batches).
   data::DataLoader loader(*data.train, {.batch_size = cfg.train_micro_batch_size_per_gpu,
                                         .sampler = &sampler,
                                         .drop_last = cfg.data.drop_last,
@@ -395,39 +397,24 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   std::shared_ptr<parallel::PowerSGDState> powersgd;
   if (pg) {
     const DdpConfig& dc = cfg.ddp;
-    ddp = std::make_shared<parallel::DistributedDataParallel>(
-        model, pg,
-        parallel::DDPOptions{.bucket_cap_mb = dc.bucket_cap_mb,
-                             .broadcast_buffers = dc.broadcast_buffers,
-                             .find_unused_parameters = dc.find_unused_parameters,
-                             .gradient_as_bucket_view = dc.gradient_as_bucket_view,
-                             .static_graph = dc.static_graph,
-                             .check_replicas_every = dc.check_replicas_every,
-                             .deterministic = dc.deterministic});
+    ddp = std::make_shared<parallel::DistributedDataParallel>(model, pg, dc.options);
     ddp->attach_optimizer(opt.get());
     if (dc.comm_hook == "fp16") ddp->register_comm_hook(parallel::fp16_compress_hook);
     if (dc.comm_hook == "bf16") ddp->register_comm_hook(parallel::bf16_compress_hook);
     std::string hook_text = dc.comm_hook == "no" ? "" : fmt::format(" with {} gradients on the wire", dc.comm_hook);
     if (dc.comm_hook == "power_sgd") {
-      const PowerSGDConfig& o = dc.power_sgd;
-      powersgd = std::make_shared<parallel::PowerSGDState>(parallel::PowerSGDOptions{
-          .matrix_approximation_rank = o.matrix_approximation_rank,
-          .start_powerSGD_iter = o.start_powerSGD_iter,
-          .min_compression_rate = o.min_compression_rate,
-          .use_error_feedback = o.use_error_feedback,
-          .warm_start = o.warm_start,
-          .orthogonalization_epsilon = o.orthogonalization_epsilon,
-          .random_seed = o.random_seed});
+      powersgd = std::make_shared<parallel::PowerSGDState>(dc.power_sgd);
       parallel::CommHook hook = parallel::powerSGD_hook(powersgd);
       if (dc.comm_wrapper == "fp16") hook = parallel::fp16_compress_wrapper(hook);
       if (dc.comm_wrapper == "bf16") hook = parallel::bf16_compress_wrapper(hook);
       ddp->register_comm_hook(hook);
-      hook_text = fmt::format(" with PowerSGD rank {} from iteration {}{}", o.matrix_approximation_rank, o.start_powerSGD_iter,
+      hook_text = fmt::format(" with PowerSGD rank {} from iteration {}{}", dc.power_sgd.matrix_approximation_rank,
+                              dc.power_sgd.start_powerSGD_iter,
                               dc.comm_wrapper == "no" ? "" : fmt::format(" in {}", dc.comm_wrapper));
     }
     ddp_describe = fmt::format(", DDP over {}{}{}{}", world > 1 ? cfg.dist.backend : "one process", hook_text,
                                sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "",
-                               dc.deterministic ? ", deterministic" : "");
+                               dc.options.deterministic ? ", deterministic" : "");
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
   DeepSpeedSchedule schedule(*opt, cfg.scheduler, total_steps);
@@ -564,7 +551,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       }
       loss_sum += loss.item();
       // (Deterministic mode: DDP divides the tree's sum by the micro-batch count itself.)
-      const Tensor scaled_for_accum = gas > 1 && !cfg.ddp.deterministic ? loss / static_cast<double>(gas) : loss;
+      const Tensor scaled_for_accum = gas > 1 && !cfg.ddp.options.deterministic ? loss / static_cast<double>(gas) : loss;
       if (prec.amp) {
         prec.amp->scale(scaled_for_accum).backward();
       } else if (prec.scaler) {
