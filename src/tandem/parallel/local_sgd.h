@@ -1,0 +1,79 @@
+// Post-local SGD (Lin et al. 2018, "Don't Use Large Mini-Batches, Use Local SGD"), torch's two
+// pieces of it: the DDP communication hook torch.distributed.algorithms.ddp_comm_hooks.
+// post_localSGD_hook and the model averager torch.distributed.algorithms.model_averaging.
+// averagers.PeriodicModelAverager. For the first start_localSGD_iter iterations the hook is the
+// plain all-reduce (DDP as usual); after that each rank steps on its own gradients (or on
+// gradients averaged within `subgroup` only), and the averager brings the replicas back together
+// by averaging the parameters every `period` optimizer steps: a fraction of DDP's traffic, for
+// slow networks.
+//
+//   auto state = std::make_shared<PostLocalSGDState>(PostLocalSGDOptions{
+//       .start_localSGD_iter = 100, .post_local_gradient_allreduce = false});
+//   ddp.register_comm_hook(post_localSGD_hook(state));
+//   PeriodicModelAverager averager(/*period=*/4, /*warmup_steps=*/100, group);
+//   for (...) { opt.zero_grad(); loss(ddp(x), y).backward(); opt.step();
+//               averager.average_parameters(model->parameters()); }
+//
+// Between two averagings the replicas differ (that is the point); DDP's check_replicas_every
+// would report it, so leave it off. With amp O2 the optimizer steps f32 master weights that
+// average_parameters does not see: average the parameters the optimizer updates.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tandem/core/tensor.h"
+#include "tandem/dist/process_group.h"
+#include "tandem/parallel/reducer.h"
+
+namespace tandem::parallel {
+
+// torch's PostLocalSGDState arguments.
+struct PostLocalSGDOptions {
+  int64_t start_localSGD_iter = 0;  // iterations of plain all-reduce before local SGD starts
+  // After the start: average the gradients within `subgroup` (true) or not at all (false).
+  bool post_local_gradient_allreduce = true;
+  // The group gradients are averaged in after the start. nullptr: DDP's own group, which on one
+  // host is torch's default (the intra-node group); across hosts pass the group of this host's
+  // ranks (dist::new_group).
+  std::shared_ptr<dist::ProcessGroup> subgroup;
+};
+
+class PostLocalSGDState {
+ public:
+  // Throws ValueError for a negative start_localSGD_iter.
+  explicit PostLocalSGDState(PostLocalSGDOptions options);
+  const PostLocalSGDOptions& options() const { return options_; }
+  // Iterations counted so far (at each iteration's last bucket, until the start).
+  int64_t iter() const { return iter_; }
+
+ private:
+  friend HookResult post_localsgd_bucket(PostLocalSGDState& state, dist::ProcessGroup& group, GradBucket& bucket);
+  PostLocalSGDOptions options_;
+  int64_t iter_ = 0;
+};
+
+CommHook post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state);
+
+// Averages parameters over `group` (nullptr: the default group) at the calls of
+// average_parameters numbered warmup_steps, warmup_steps + period, warmup_steps + 2 period, ...
+// (counting from 0; torch's rule), one all-reduce per dtype; every other call only counts.
+// Every rank must make the same calls with the same parameters (a collective when it averages).
+class PeriodicModelAverager {
+ public:
+  // Throws ValueError for period < 1 or warmup_steps < 0.
+  explicit PeriodicModelAverager(int64_t period, int64_t warmup_steps = 0,
+                                 std::shared_ptr<dist::ProcessGroup> group = nullptr);
+  // Call once after every optimizer step. Returns whether this call averaged.
+  bool average_parameters(const std::vector<Tensor>& params);
+  // Calls so far (torch's averager.step).
+  int64_t step() const { return step_; }
+
+ private:
+  int64_t period_, warmup_steps_;
+  std::shared_ptr<dist::ProcessGroup> group_;
+  int64_t step_ = 0;
+};
+
+}  // namespace tandem::parallel
