@@ -232,7 +232,8 @@ TEST(TrainCli, ResumesOnAnotherWorldSizeAtTheSameSample) {
 // "ddp.deterministic" through the main job: the tiny W3 (bf16 autocast, AdamW, warmup-cosine) with
 // micro-batch 2 and batch 8 on 1, 2 and 4 processes (4, 2 and 1 micro-batches per rank) writes
 // bitwise-identical weights and optimizer state after 8 steps (across an epoch boundary: 48
-// windows are 6 steps); so does a run stopped on 2 processes at step 4 and resumed on 4.
+// windows are 6 steps); so does a run stopped on 2 processes at step 4 and resumed on 4, and 1 vs
+// 2 processes with amp O2 (f32 masters too) and with fp16 + GradScaler.
 TEST(TrainCli, DeterministicIsBitwiseOnOneTwoAndFourProcessesAndAcrossAResume) {
   tandem::testing::TempDir dir;
   const std::string cfg = write_config(dir.path(), 8, 4);
@@ -248,6 +249,22 @@ TEST(TrainCli, DeterministicIsBitwiseOnOneTwoAndFourProcessesAndAcrossAResume) {
   const std::string ref = dir.path() + "/p1/checkpoints/step_00000008";
   for (const char* run_dir : {"/p2", "/p4", "/mixed"}) {
     expect_same_checkpoint(ref, dir.path() + run_dir + "/checkpoints/step_00000008", /*same_world=*/false);
+  }
+  // The same with amp O2 (bf16 weights, f32 masters: the tree sums in f32, rounds once to bf16)
+  // and with fp16 autocast + GradScaler (the same scaled gradients everywhere, so the same skips).
+  for (const std::string precision : {" --set amp.opt_level=O2", " --set bf16.enabled=false --set fp16.enabled=true"}) {
+    SCOPED_TRACE(precision);
+    const std::string one = dir.path() + "/o1", two = dir.path() + "/o2";
+    fs::remove_all(one);
+    fs::remove_all(two);
+    ASSERT_EQ(run(on(1) + precision + " --out " + one, &out), 0) << out;
+    ASSERT_EQ(run(on(2) + precision + " --out " + two, &out), 0) << out;
+    expect_same_checkpoint(one + "/checkpoints/step_00000008", two + "/checkpoints/step_00000008", /*same_world=*/false);
+    if (fs::exists(one + "/checkpoints/step_00000008/master_weights.safetensors")) {
+      const SafetensorsFile m1 = load_safetensors(one + "/checkpoints/step_00000008/master_weights.safetensors"),
+                            m2 = load_safetensors(two + "/checkpoints/step_00000008/master_weights.safetensors");
+      for (const auto& [name, t] : m1.tensors) EXPECT_EQ(std::memcmp(t.data_ptr(), m2.at(name).data_ptr(), t.nbytes()), 0) << name;
+    }
   }
   // Without the mode, 1 and 2 processes differ in the last bits (another summation order).
   ASSERT_EQ(run(kCli + " run --nproc-per-node 2 " + kCli + " train --config " + cfg +
