@@ -200,20 +200,22 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   Config c = parse_config(base());
   EXPECT_EQ(c.ddp.options.bucket_cap_mb, 25.0);
   EXPECT_TRUE(c.ddp.options.broadcast_buffers);
-  EXPECT_FALSE(c.ddp.options.find_unused_parameters || c.ddp.options.gradient_as_bucket_view || c.ddp.options.static_graph || c.ddp.sync_batchnorm);
+  EXPECT_FALSE(c.ddp.options.find_unused_parameters || c.ddp.options.gradient_as_bucket_view || c.ddp.options.static_graph || c.ddp.sync_batchnorm ||
+               c.ddp.options.delay_allreduce);
   EXPECT_EQ(c.ddp.comm_hook, "no");
   EXPECT_EQ(c.ddp.options.check_replicas_every, 0);
 
   json j = base();
   j["ddp"] = {{"bucket_cap_mb", 4.5},     {"broadcast_buffers", false}, {"find_unused_parameters", true},
               {"gradient_as_bucket_view", true}, {"static_graph", true},  {"comm_hook", "fp16"},
-              {"sync_batchnorm", true},   {"check_replicas_every", 7}};
+              {"sync_batchnorm", true},   {"check_replicas_every", 7},  {"delay_allreduce", true}};
   c = parse_config(j);
   EXPECT_EQ(c.ddp.options.bucket_cap_mb, 4.5);
   EXPECT_FALSE(c.ddp.options.broadcast_buffers);
   EXPECT_TRUE(c.ddp.options.find_unused_parameters && c.ddp.options.gradient_as_bucket_view && c.ddp.options.static_graph && c.ddp.sync_batchnorm);
   EXPECT_EQ(c.ddp.comm_hook, "fp16");
   EXPECT_EQ(c.ddp.options.check_replicas_every, 7);
+  EXPECT_TRUE(c.ddp.options.delay_allreduce);
 
   // DeepSpeed's communication_data_type is the same setting (bfp16 is DeepSpeed's alias of bf16).
   for (const auto& [type, hook] : std::vector<std::pair<std::string, std::string>>{

@@ -93,6 +93,7 @@ const std::vector<Spec>& specs() {
       {"ddp.find_unused_parameters", Kind::Bool},
       {"ddp.gradient_as_bucket_view", Kind::Bool},
       {"ddp.static_graph", Kind::Bool},
+      {"ddp.delay_allreduce", Kind::Bool},
       {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd"}},
       {"ddp.comm_wrapper", Kind::Enum, 0, 0, {"no", "fp16", "bf16"}},
       {"ddp.comm_state_option.matrix_approximation_rank", Kind::Int, 1, kInf},
@@ -431,6 +432,7 @@ void parse_ddp(Config& c, const json& j) {
   get(j, "ddp.find_unused_parameters", o.find_unused_parameters);
   get(j, "ddp.gradient_as_bucket_view", o.gradient_as_bucket_view);
   get(j, "ddp.static_graph", o.static_graph);
+  get(j, "ddp.delay_allreduce", o.delay_allreduce);
   get_int(j, "ddp.check_replicas_every", o.check_replicas_every);
   get(j, "ddp.deterministic", o.deterministic);
   get(j, "ddp.comm_hook", d.comm_hook);

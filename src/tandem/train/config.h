@@ -95,7 +95,8 @@ struct DistConfig {
 // deterministic mode.
 struct DdpConfig {
   // PyTorch's DDP arguments by name (bucket_cap_mb, broadcast_buffers, find_unused_parameters,
-  // gradient_as_bucket_view, static_graph) and Tandem's check_replicas_every and deterministic.
+  // gradient_as_bucket_view, static_graph), Apex's delay_allreduce, and Tandem's
+  // check_replicas_every and deterministic.
   // deterministic (also on one process): each rank's micro-batches are consecutive pieces of the
   // step's global batch (DistributedSampler block), summed in one fixed binary tree, so 1, 2, 4,
   // ... processes on the same train_batch_size and micro-batch size train bitwise-identical
