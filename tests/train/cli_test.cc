@@ -343,6 +343,13 @@ TEST(TrainCli, PowerSgdTwoProcessesResumeBitwise) {
   EXPECT_NE(out.find("holds PowerSGD error feedback of 2 ranks, this run has 4; resume it with 2 processes"), std::string::npos)
       << out;
   expect_same_checkpoint(a, b);
+
+  // A checkpoint whose hook file went missing is refused (not resumed with a fresh state).
+  fs::remove(b + "/comm_hook.safetensors");
+  EXPECT_NE(run(launch + psgd + " --set train.steps=12 --out " + stopped + " --resume auto", &out), 0);
+  EXPECT_NE(out.find("should hold " + std::to_string(ha.tensors.size()) + " PowerSGD tensors in comm_hook.safetensors, found 0"),
+            std::string::npos)
+      << out;
 }
 
 // The acceptance line of issue #8 on the shipped config itself: `tandem run --nproc-per-node 2

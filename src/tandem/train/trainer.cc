@@ -270,7 +270,8 @@ std::vector<std::pair<std::string, Tensor>> gather_powersgd(const parallel::Powe
            {"iter", d.iter},
            {"numel_before", d.numel_before},
            {"numel_after", d.numel_after},
-           {"world_size", pg.size()}};
+           {"world_size", pg.size()},
+           {"tensors", out.size()}};
   return out;
 }
 
@@ -286,6 +287,11 @@ void restore_powersgd(parallel::PowerSGDState& state, const CheckpointState& st,
                "train: checkpoint {} holds PowerSGD error feedback of {} ranks, this run has {}; resume it with {} "
                "processes (or start a new run directory)",
                dir, saved_world, world, saved_world);
+  const size_t tensors = meta.value("tensors", size_t{0});
+  TANDEM_CHECK(st.comm_hook.size() == tensors, IOError,
+               "train: checkpoint {} should hold {} PowerSGD tensors in comm_hook.safetensors, found {} (file missing or "
+               "replaced); restore the file or resume from another checkpoint",
+               dir, tensors, st.comm_hook.size());
   parallel::PowerSGDState::Dict d;
   d.iter = meta.at("iter").get<int64_t>();
   d.numel_before = meta.at("numel_before").get<int64_t>();
