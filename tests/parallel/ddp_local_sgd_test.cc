@@ -31,6 +31,7 @@ namespace {
 void on_ranks(int n, const td::testing::RankFn& fn) {
   td::testing::on_ranks(n, fn, std::chrono::seconds(120), std::chrono::seconds(20));
 }
+using td::testing::bitwise_equal;
 using td::testing::fail;
 using td::testing::rel_diff;
 using td::testing::same_everywhere;
@@ -53,10 +54,6 @@ Tensor batch(int step, int rank) {
 }
 Tensor loss_of(const Tensor& out) { return td::ops::sum(td::ops::mul(out, out)); }
 
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  Tensor x = a.contiguous(), y = b.contiguous();
-  return x.shape() == y.shape() && std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.nbytes())) == 0;
-}
 
 // Four backwards (no optimizer) of a DDP model with post_localSGD_hook (start 2) next to one with
 // the plain average and to the bare model on this rank's data alone; checks every gradient.

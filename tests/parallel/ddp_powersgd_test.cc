@@ -34,6 +34,7 @@ namespace {
 void on_ranks(int n, const td::testing::RankFn& fn) {
   td::testing::on_ranks(n, fn, std::chrono::seconds(120), std::chrono::seconds(20));
 }
+using td::testing::bitwise_equal;
 using td::testing::fail;
 using td::testing::rel_diff;
 using td::testing::same_everywhere;
@@ -80,10 +81,6 @@ Tensor loss_of(const Tensor& out, const Tensor& y) {
   return td::ops::mul(td::ops::sum(td::ops::mul(d, d)), 1.0 / d.numel());
 }
 
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  Tensor x = a.contiguous(), y = b.contiguous();
-  return x.shape() == y.shape() && std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.nbytes())) == 0;
-}
 
 // The sum over ranks.
 Tensor sum_over_ranks(ProcessGroup& group, const Tensor& t) {

@@ -50,6 +50,13 @@ inline double rel_diff(const Tensor& a, const Tensor& b) {
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
 }
 
+// Same shape and the same bytes.
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  Tensor x = a.contiguous(), y = b.contiguous();
+  return x.shape() == y.shape() && x.dtype() == y.dtype() &&
+         std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.nbytes())) == 0;
+}
+
 // Whether `t` holds the same bytes on every rank of `group` (a collective).
 inline bool same_everywhere(dist::ProcessGroup& group, const Tensor& t) {
   Tensor c = t.contiguous();
