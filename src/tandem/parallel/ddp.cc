@@ -9,17 +9,12 @@
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
+#include "tandem/core/hash.h"
 #include "tandem/nn/norm.h"
 #include "tandem/optim/optimizer.h"
 
 namespace tandem::parallel {
 namespace {
-
-uint64_t fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
 
 uint64_t checksum(const Tensor& t) {
   Tensor c = t.contiguous();
@@ -156,9 +151,8 @@ void DistributedDataParallel::check_same_model() {
       fmt::join(ranks, ", "), i, at0, differing, at_r));
 }
 
-void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tensors, int root) {
-  if (group_->size() == 1) return;
-  // One flat broadcast per dtype (coalesced), then copied back.
+void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective) {
+  NoGradGuard no_grad;
   std::map<DType, std::vector<Tensor>> by_dtype;
   for (const auto& t : tensors) by_dtype[t.dtype()].push_back(t);
   for (auto& [dt, list] : by_dtype) {
@@ -170,13 +164,18 @@ void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tenso
       make_view(flat, t.shape(), contiguous_strides(t.shape()), off).copy_(t);
       off += t.numel();
     }
-    group_->broadcast(flat, root)->wait();
+    collective(flat);
     off = 0;
     for (auto t : list) {
       t.copy_(make_view(flat, t.shape(), contiguous_strides(t.shape()), off));
       off += t.numel();
     }
   }
+}
+
+void DistributedDataParallel::broadcast_tensors(const std::vector<Tensor>& tensors, int root) {
+  if (group_->size() == 1) return;
+  coalesced(tensors, [&](Tensor& flat) { group_->broadcast(flat, root)->wait(); });
 }
 
 void DistributedDataParallel::before_forward() {

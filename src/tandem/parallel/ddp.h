@@ -22,6 +22,10 @@ namespace tandem::optim { class Optimizer; }
 
 namespace tandem::parallel {
 
+// Runs `collective` on one flat copy of `tensors` per dtype (in their order; one collective per
+// dtype) and copies the result back into them: DDP's broadcasts, the model averager's all-reduce.
+void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective);
+
 struct DDPOptions {
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;          // torch's _DEFAULT_FIRST_BUCKET_BYTES

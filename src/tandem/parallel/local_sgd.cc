@@ -1,13 +1,11 @@
 // Post-local SGD (see local_sgd.h): the hook decides per bucket between the plain all-reduce,
-// the subgroup's and none; the averager all-reduces flattened parameters, one dtype at a time.
+// the subgroup's and none; the averager all-reduces the parameters coalesced per dtype.
 #include "tandem/parallel/local_sgd.h"
 
-#include <map>
 #include <utility>
 
-#include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
-#include "tandem/ops/shape.h"
+#include "tandem/parallel/ddp.h"
 
 namespace tandem::parallel {
 
@@ -43,21 +41,7 @@ bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params
   const int64_t s = step_++;
   if (s < warmup_steps_ || (s - warmup_steps_) % period_ != 0) return false;
   dist::ProcessGroup& group = group_ ? *group_ : *dist::default_group();
-  NoGradGuard no_grad;
-  // One flat buffer per dtype, in the parameters' order.
-  std::map<DType, std::vector<Tensor>> by_dtype;
-  for (const Tensor& p : params) by_dtype[p.dtype()].push_back(p);
-  for (auto& [dtype, ps] : by_dtype) {
-    std::vector<Tensor> flat;
-    for (const Tensor& p : ps) flat.push_back(p.reshape({-1}));
-    Tensor all = ops::cat(flat, 0);
-    group.all_reduce(all, dist::ReduceOp::AVG)->wait();
-    int64_t off = 0;
-    for (Tensor& p : ps) {
-      p.copy_(all.narrow(0, off, p.numel()).view(p.shape()));
-      off += p.numel();
-    }
-  }
+  coalesced(params, [&](Tensor& flat) { group.all_reduce(flat, dist::ReduceOp::AVG)->wait(); });
   return true;
 }
 

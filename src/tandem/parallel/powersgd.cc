@@ -10,6 +10,7 @@
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
+#include "tandem/core/hash.h"
 #include "tandem/ops/elementwise.h"
 #include "tandem/ops/linalg.h"
 #include "tandem/ops/shape.h"
@@ -121,16 +122,12 @@ void PowerSGDState::load_state_dict(const Dict& dict) {
 }
 
 Generator PowerSGDState::q_stream(const std::string& key) const {
-  // splitmix64 over (seed, iteration, FNV-1a of the key).
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
-  auto mix = [](uint64_t z) {
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  };
-  return Generator(mix(mix(mix(options_.random_seed) ^ static_cast<uint64_t>(iter_)) ^ h));
+  // Philox keyed by a hash of (seed, iteration, key): distinct keys, distinct streams.
+  const uint64_t seed = options_.random_seed;
+  const int64_t iter = iter_;
+  uint64_t h = fnv1a(&seed, sizeof seed);
+  h = fnv1a(&iter, sizeof iter, h);
+  return Generator(fnv1a(key.data(), key.size(), h));
 }
 
 void PowerSGDState::maybe_increase_iter(const GradBucket& bucket) {

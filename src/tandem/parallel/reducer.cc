@@ -604,44 +604,48 @@ HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket) {
 }
 
 namespace {
-HookResult compress_hook(dist::ProcessGroup& group, GradBucket& bucket, DType wire) {
-  if (bucket.buffer.dtype() != kFloat32) return allreduce_hook(group, bucket);
-  Tensor compressed = bucket.buffer.to(wire);
-  auto work = group.all_reduce(compressed, dist::ReduceOp::AVG);
+// `hook` on a `wire` copy of an f32 bucket (its buffer and per-parameter views), the result cast
+// back into the bucket after it; a bucket that is not f32 goes to `hook` as it is.
+HookResult on_compressed_copy(const CommHook& hook, dist::ProcessGroup& group, GradBucket& bucket, DType wire) {
+  if (bucket.buffer.dtype() != kFloat32) return hook(group, bucket);
+  GradBucket low = bucket;
+  low.buffer = bucket.buffer.to(wire);
+  low.gradients.clear();
+  for (const Tensor& g : bucket.gradients) {
+    low.gradients.push_back(
+        make_view(low.buffer, g.shape(), contiguous_strides(g.shape()), low.buffer.offset() + g.offset() - bucket.buffer.offset()));
+  }
+  HookResult inner = hook(group, low);
   Tensor out = bucket.buffer;
-  return {work, [compressed, out]() mutable { out.copy_(compressed); }};
+  std::function<void()> then = inner.then;
+  return {inner.work, [then, low, out]() mutable {
+            if (then) then();
+            out.copy_(low.buffer);
+          }};
 }
 
 CommHook compress_wrapper(CommHook hook, DType wire, const char* name) {
   TANDEM_CHECK(hook != nullptr, ValueError, "{}: the hook to wrap is empty", name);
-  return [hook = std::move(hook), wire](dist::ProcessGroup& group, GradBucket& bucket) -> HookResult {
-    if (bucket.buffer.dtype() != kFloat32) return hook(group, bucket);
-    GradBucket low = bucket;
-    low.buffer = bucket.buffer.to(wire);
-    low.gradients.clear();
-    for (const Tensor& g : bucket.gradients) {
-      low.gradients.push_back(
-          make_view(low.buffer, g.shape(), contiguous_strides(g.shape()), low.buffer.offset() + g.offset() - bucket.buffer.offset()));
-    }
-    HookResult inner = hook(group, low);
-    Tensor out = bucket.buffer;
-    std::function<void()> then = inner.then;
-    return {inner.work, [then, low, out]() mutable {
-              if (then) then();
-              out.copy_(low.buffer);
-            }};
+  return [hook = std::move(hook), wire](dist::ProcessGroup& group, GradBucket& bucket) {
+    return on_compressed_copy(hook, group, bucket, wire);
   };
+}
+
+const CommHook& plain_allreduce() {
+  static const CommHook h = allreduce_hook;
+  return h;
 }
 }  // namespace
 
 CommHook fp16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), kFloat16, "fp16_compress_wrapper"); }
 CommHook bf16_compress_wrapper(CommHook hook) { return compress_wrapper(std::move(hook), kBFloat16, "bf16_compress_wrapper"); }
 
+// The compress hooks are the wrappers around the plain average (as torch's are equivalent to).
 HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket) {
-  return compress_hook(group, bucket, kFloat16);
+  return on_compressed_copy(plain_allreduce(), group, bucket, kFloat16);
 }
 HookResult bf16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket) {
-  return compress_hook(group, bucket, kBFloat16);
+  return on_compressed_copy(plain_allreduce(), group, bucket, kBFloat16);
 }
 
 }  // namespace tandem::parallel

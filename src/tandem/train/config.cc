@@ -479,12 +479,14 @@ void parse_ddp(Config& c, const json& j) {
                "\"{}\"; for 16-bit gradients without PowerSGD set \"ddp.comm_hook\" to \"{}\"",
                d.comm_wrapper, d.comm_hook, d.comm_wrapper);
   // DeepSpeed's communication_data_type: the wire dtype. With PowerSGD it is the wrapper's.
-  if (const json* v = at(j, "communication_data_type")) {
-    TANDEM_CHECK(!o.deterministic || v->get<std::string>() == "fp32", ValueError,
-                 "config: \"ddp.deterministic\" gathers the exact f32 gradients; drop \"communication_data_type\" \"{}\"",
-                 v->get<std::string>());
-    const std::string t = v->get<std::string>();  // fp32 | fp16 | bf16 | bfp16 (DeepSpeed's alias)
-    const std::string wire = t == "bfp16" ? "bf16" : t;
+  // `cdt` as given (fp32 | fp16 | bf16 | bfp16), `wire` with DeepSpeed's alias resolved.
+  const json* cdt_json = at(j, "communication_data_type");
+  const std::string cdt = cdt_json ? cdt_json->get<std::string>() : "";
+  const std::string wire = cdt == "bfp16" ? "bf16" : cdt;
+  if (cdt_json) {
+    const std::string& t = cdt;
+    TANDEM_CHECK(!o.deterministic || wire == "fp32", ValueError,
+                 "config: \"ddp.deterministic\" gathers the exact f32 gradients; drop \"communication_data_type\" \"{}\"", t);
     const std::string low = wire == "fp32" ? "no" : wire;
     if (d.comm_hook == "power_sgd") {
       TANDEM_CHECK(!at(j, "ddp.comm_wrapper") || d.comm_wrapper == low, ValueError,
@@ -506,10 +508,7 @@ void parse_ddp(Config& c, const json& j) {
   if (c.opt_level == "O2" || c.opt_level == "O3") {
     const std::string low = c.bf16 ? "bf16" : "fp16";
     std::string asked;
-    if (const json* v = at(j, "communication_data_type")) {
-      const std::string t = v->get<std::string>();
-      if ((t == "bfp16" ? "bf16" : t) != low) asked = "communication_data_type \"" + t + "\"";
-    }
+    if (cdt_json && wire != low) asked = "communication_data_type \"" + cdt + "\"";
     if (asked.empty() && (d.comm_hook == "fp16" || d.comm_hook == "bf16") && d.comm_hook != low) {
       asked = "ddp.comm_hook \"" + d.comm_hook + "\"";
     }

@@ -257,7 +257,7 @@ std::vector<std::pair<std::string, Tensor>> gather_powersgd(const parallel::Powe
   }
   // Every rank has errors for the same parameters (they all ran the same compressed steps).
   Tensor mine = parts.empty() ? zeros({0}, kFloat32) : ops::cat(parts, 0);
-  Tensor all = zeros({static_cast<int64_t>(pg.size()) * total}, kFloat32);
+  Tensor all = empty({static_cast<int64_t>(pg.size()) * total}, kFloat32);
   if (total > 0) pg.all_gather(dist::as_buffer(all), dist::as_buffer(mine))->wait();
   for (int r = 0; r < pg.size(); ++r) {
     int64_t off = static_cast<int64_t>(r) * total;
