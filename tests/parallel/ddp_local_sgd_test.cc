@@ -6,6 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
+#include <vector>
+
+#include <fmt/ranges.h>
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/dist/process_group.h"
@@ -128,6 +132,32 @@ TEST(PeriodicModelAverager, AveragesAtWarmupThenEveryPeriodPerDtype) {
         if (!(d <= tol)) fail(fmt::format("call {}: not the mean (rel {:.3g})", call, d));
       }
     }
+  });
+}
+
+// A restored step count (torch's PostLocalSGDOptimizer.load_state_dict) continues the schedule:
+// an averager of (period 3, warmup 2) set to step 4 (calls 0..3 done) averages at calls 5 and 8,
+// as the one that made calls 0..3 itself; negative counts are refused. The
+// hook's iteration count is restored the same way.
+TEST(PeriodicModelAverager, RestoredStepContinuesTheSchedule) {
+  on_ranks(2, [](std::shared_ptr<ProcessGroup> group) {
+    PeriodicModelAverager averager(3, 2, group);
+    averager.set_step(4);
+    Tensor a = td::full({3}, static_cast<double>(group->rank()), td::kFloat32);
+    std::vector<int> averaged_at;
+    for (int call = 4; call < 10; ++call)
+      if (averager.average_parameters({a})) averaged_at.push_back(call);
+    if (averaged_at != std::vector<int>{5, 8}) fail(fmt::format("averaged at {}", fmt::join(averaged_at, ",")));
+    if (!same_everywhere(*group, a)) fail("ranks differ after the averagings");
+    try {
+      averager.set_step(-1);
+      fail("set_step(-1) accepted");
+    } catch (const td::ValueError& e) {
+      if (std::string(e.what()).find("step must be >= 0, got -1") == std::string::npos) fail(e.what());
+    }
+    PostLocalSGDState state(PostLocalSGDOptions{.start_localSGD_iter = 5});
+    state.set_iter(3);
+    if (state.iter() != 3) fail("set_iter");
   });
 }
 

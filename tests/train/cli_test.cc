@@ -352,6 +352,111 @@ TEST(TrainCli, PowerSgdTwoProcessesResumeBitwise) {
       << out;
 }
 
+// Whether two safetensors files hold the same names with the same shapes and bits.
+bool same_tensors(const std::string& a, const std::string& b) {
+  const SafetensorsFile fa = load_safetensors(a), fb = load_safetensors(b);
+  if (fa.tensors.size() != fb.tensors.size()) return false;
+  for (const auto& [name, t] : fa.tensors) {
+    if (!fb.contains(name)) return false;
+    const Tensor& u = fb.at(name);
+    if (t.shape() != u.shape() || std::memcmp(t.data_ptr(), u.data_ptr(), t.nbytes()) != 0) return false;
+  }
+  return true;
+}
+
+// Post-local SGD in the main job (torch's post_localSGD_hook + PeriodicModelAverager): two plain
+// DDP steps, then each rank steps on its own gradients and the parameters are averaged after
+// steps 3 and 6 (warmup 2, period 3). Between averagings the replicas differ, so a checkpoint
+// holds every rank's (rank_1/); stopped at step 4, where they differ, and resumed, the run equals
+// the uninterrupted one bitwise, replicas included, in bf16 autocast and with amp O2 (whose f32
+// masters are what is averaged). The losses follow plain DDP through step 3 and part after it;
+// with groups of 2 among 4 processes (gradients averaged within a group) ranks 0 and 1 stay
+// equal and ranks 0 and 2 do not. Resuming on another process count, or without rank 1's files,
+// is refused with the reason.
+TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 8, 2);
+  const std::string launch = kCli + " run --nproc-per-node 2 " + kCli + " train --config " + cfg + " --set train.keep_last=4";
+  const std::string pl = " --set ddp.comm_hook=post_local_sgd --set ddp.comm_state_option.start_localSGD_iter=2"
+                         " --set ddp.comm_state_option.post_local_gradient_allreduce=false --set ddp.model_averaging.period=3";
+  std::string out;
+  for (const std::string amp : {"", " --set amp.opt_level=O2"}) {
+    SCOPED_TRACE("amp:" + amp);
+    const std::string straight = dir.path() + "/straight" + (amp.empty() ? "" : "_o2");
+    const std::string stopped = dir.path() + "/stopped" + (amp.empty() ? "" : "_o2");
+    ASSERT_EQ(run(launch + pl + amp + " --out " + straight, &out), 0) << out;
+    EXPECT_NE(out.find("with post-local SGD from iteration 2 (each rank's own gradients; parameters averaged every 3 "
+                       "steps from step 2)"),
+              std::string::npos)
+        << out;
+    ASSERT_EQ(run(launch + pl + amp + " --out " + stopped + " --stop-after 4", &out), 0) << out;
+    ASSERT_EQ(run(launch + pl + amp + " --out " + stopped + " --resume auto", &out), 0) << out;
+    const std::string ck = straight + "/checkpoints/step_0000000";
+    // Before local SGD starts (step 2) and right after an averaging (step 6) the parameters are
+    // the same on both ranks; at steps 4 and 8 they are not.
+    EXPECT_TRUE(same_tensors(ck + "2/model.safetensors", ck + "2/rank_1/model.safetensors"));
+    EXPECT_FALSE(same_tensors(ck + "4/model.safetensors", ck + "4/rank_1/model.safetensors"));
+    EXPECT_TRUE(same_tensors(ck + "6/model.safetensors", ck + "6/rank_1/model.safetensors"));
+    EXPECT_FALSE(same_tensors(ck + "8/model.safetensors", ck + "8/rank_1/model.safetensors"));
+    const std::string a = straight + "/checkpoints/step_00000008", b = stopped + "/checkpoints/step_00000008";
+    expect_same_checkpoint(a, b);
+    std::vector<std::string> files = {"rank_1/model.safetensors", "rank_1/optimizer.safetensors"};
+    if (!amp.empty()) files.insert(files.end(), {"master_weights.safetensors", "rank_1/master_weights.safetensors"});
+    for (const std::string& f : files) EXPECT_TRUE(same_tensors(a + "/" + f, b + "/" + f)) << f;
+    std::ifstream sa(a + "/trainer_state.json");
+    const json extra = json::parse(sa)["extra"];
+    EXPECT_EQ(extra["replicas"], 2);
+    EXPECT_EQ(extra["comm_hook"]["averager_step"], 8);
+    EXPECT_EQ(extra["comm_hook"]["iter"], 2);
+  }
+
+  // Plain DDP: the same losses through step 3 (its forward still sees step 2's common
+  // parameters), then apart.
+  const std::string plain = dir.path() + "/plain";
+  ASSERT_EQ(run(launch + " --out " + plain, &out), 0) << out;
+  const std::vector<double> lp = losses(plain), ls = losses(dir.path() + "/straight");
+  ASSERT_EQ(lp.size(), 8u);
+  ASSERT_EQ(ls.size(), 8u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(lp[i], ls[i]) << "step " << i + 1;
+  EXPECT_NE(lp[3], ls[3]);
+
+  // Four processes in groups of two that average their gradients: 0 = 1, 2 = 3, 0 != 2.
+  const std::string four = dir.path() + "/four";
+  ASSERT_EQ(run(kCli + " run --nproc-per-node 4 " + kCli + " train --config " + cfg +
+                    " --set ddp.comm_hook=post_local_sgd --set ddp.comm_state_option.start_localSGD_iter=2"
+                    " --set ddp.comm_state_option.subgroup_size=2 --set ddp.model_averaging.period=3 --set train.steps=4"
+                    " --out " + four,
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("(gradients averaged in groups of 2;"), std::string::npos) << out;
+  const std::string f4 = four + "/checkpoints/step_00000004";
+  EXPECT_TRUE(same_tensors(f4 + "/model.safetensors", f4 + "/rank_1/model.safetensors"));
+  EXPECT_TRUE(same_tensors(f4 + "/rank_2/model.safetensors", f4 + "/rank_3/model.safetensors"));
+  EXPECT_FALSE(same_tensors(f4 + "/model.safetensors", f4 + "/rank_2/model.safetensors"));
+
+  // Another process count is refused before anything is loaded; so is a checkpoint without
+  // rank 1's replica. The checkpoints stay.
+  const std::string stopped = dir.path() + "/stopped", b = stopped + "/checkpoints/step_00000008";
+  EXPECT_NE(run(kCli + " run --nproc-per-node 4 " + kCli + " train --config " + cfg + pl +
+                    " --set train_batch_size=16 --set train.steps=12 --out " + stopped + " --resume auto",
+                &out),
+            0);
+  EXPECT_NE(out.find("holds the replicas of 2 ranks (they trained apart), this run has 4; resume it with 2 processes"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(run(kCli + " train --config " + cfg + " --set train_batch_size=4 --set train.steps=12 --out " + stopped +
+                    " --resume auto",
+                &out),
+            0);
+  EXPECT_NE(out.find("holds the replicas of 2 ranks (they trained apart), this run has 1"), std::string::npos) << out;
+  expect_same_checkpoint(dir.path() + "/straight/checkpoints/step_00000008", b);
+  fs::remove_all(b + "/rank_1");
+  EXPECT_NE(run(launch + pl + " --set train.steps=12 --out " + stopped + " --resume auto", &out), 0);
+  EXPECT_NE(out.find("has no rank_1/ (rank 1's replica); restore it or resume from another checkpoint"), std::string::npos)
+      << out;
+}
+
 // The acceptance line of issue #8 on the shipped config itself: `tandem run --nproc-per-node 2
 // tandem train --config configs/gpt_bf16.json` (W3, bf16 autocast, AdamW) follows the loss curve
 // of the 1-process run on the same global batch of 8. Shrunk with --set to stay a few seconds:

@@ -276,7 +276,7 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
                 .find("\"ddp.comm_state_option.start_powerSGD_iter\" is 1: it must be > 1 with use_error_feedback"),
             std::string::npos);
   j["ddp"] = {{"comm_state_option", {{"matrix_approximation_rank", 2}}}};
-  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_state_option\" configures PowerSGD, but \"ddp.comm_hook\" is \"no\""),
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.comm_state_option.matrix_approximation_rank\" configures PowerSGD, but \"ddp.comm_hook\" is \"no\""),
             std::string::npos);
   j["ddp"] = {{"comm_hook", "batched_power_sgd"}};
   EXPECT_NE(error_of([&] { parse_config(j); }).find("\"batched_power_sgd\" is not offered by tandem train: its state is per bucket"),
@@ -338,6 +338,71 @@ TEST(Config, DdpSectionAndCommunicationDataType) {
   EXPECT_EQ(parse_config(j).ddp.comm_hook, "power_sgd");
   j["ddp"] = {{"comm_hook", "fp16"}};
   EXPECT_EQ(parse_config(j).ddp.comm_hook, "fp16");
+}
+
+// Post-local SGD: torch's PostLocalSGDState and PeriodicModelAverager arguments, with torch's
+// defaults (post_local_gradient_allreduce true, averaging from start_localSGD_iter) and the
+// combinations that cannot work refused by name.
+TEST(Config, PostLocalSgd) {
+  json j = base();
+  j["ddp"] = {{"comm_hook", "post_local_sgd"}, {"model_averaging", {{"period", 4}}}};
+  Config c = parse_config(j, 4);
+  EXPECT_EQ(c.ddp.comm_hook, "post_local_sgd");
+  EXPECT_EQ(c.ddp.post_local.start_localSGD_iter, 0);
+  EXPECT_TRUE(c.ddp.post_local.post_local_gradient_allreduce);
+  EXPECT_EQ(c.ddp.subgroup_size, 0);
+  EXPECT_EQ(c.ddp.averaging_period, 4);
+  EXPECT_EQ(c.ddp.averaging_warmup_steps, 0);
+  j["ddp"]["comm_state_option"] = {{"start_localSGD_iter", 10}, {"post_local_gradient_allreduce", false}, {"subgroup_size", 2}};
+  c = parse_config(j, 4);
+  EXPECT_EQ(c.ddp.post_local.start_localSGD_iter, 10);
+  EXPECT_FALSE(c.ddp.post_local.post_local_gradient_allreduce);
+  EXPECT_EQ(c.ddp.subgroup_size, 2);
+  EXPECT_EQ(c.ddp.averaging_warmup_steps, 10);  // torch's advice: average from where local SGD starts
+  j["ddp"]["model_averaging"]["warmup_steps"] = 12;
+  EXPECT_EQ(parse_config(j, 4).ddp.averaging_warmup_steps, 12);
+  // bf16 O2: the hook reduces the bf16 gradients as they are.
+  json o2 = j;
+  o2["bf16"] = {{"enabled", true}};
+  o2["amp"] = {{"opt_level", "O2"}};
+  EXPECT_EQ(parse_config(o2, 4).ddp.comm_hook, "post_local_sgd");
+
+  j["ddp"]["comm_state_option"]["subgroup_size"] = 3;
+  EXPECT_NE(error_of([&] { parse_config(j, 4); })
+                .find("\"ddp.comm_state_option.subgroup_size\" 3 does not divide the 4 processes into equal groups"),
+            std::string::npos);
+  j["ddp"]["comm_state_option"]["subgroup_size"] = 2;
+  j["ddp"]["model_averaging"].erase("period");
+  EXPECT_NE(error_of([&] { parse_config(j, 4); }).find("needs \"ddp.model_averaging.period\""), std::string::npos);
+  j["ddp"]["model_averaging"]["period"] = 0;
+  EXPECT_NE(error_of([&] { parse_config(j, 4); }).find("ddp.model_averaging.period"), std::string::npos);
+  j["ddp"]["model_averaging"]["period"] = 4;
+  j["ddp"]["check_replicas_every"] = 5;
+  EXPECT_NE(error_of([&] { parse_config(j, 4); })
+                .find("\"ddp.check_replicas_every\" 5 with \"ddp.comm_hook\" \"post_local_sgd\": between averagings"),
+            std::string::npos);
+  j["ddp"].erase("check_replicas_every");
+  j["communication_data_type"] = "bf16";
+  EXPECT_NE(error_of([&] { parse_config(j, 4); })
+                .find("\"communication_data_type\" \"bf16\" with \"ddp.comm_hook\" \"post_local_sgd\""),
+            std::string::npos);
+  j["communication_data_type"] = "fp32";
+  EXPECT_EQ(parse_config(j, 4).ddp.comm_hook, "post_local_sgd");
+  // Its options under another hook, and PowerSGD's under this one, are named.
+  json k = base();
+  k["ddp"] = {{"comm_hook", "power_sgd"}, {"comm_state_option", {{"start_localSGD_iter", 3}}}};
+  EXPECT_NE(error_of([&] { parse_config(k); })
+                .find("\"ddp.comm_state_option.start_localSGD_iter\" configures post-local SGD, but \"ddp.comm_hook\" is "
+                      "\"power_sgd\""),
+            std::string::npos);
+  k["ddp"] = {{"model_averaging", {{"period", 2}}}};
+  EXPECT_NE(error_of([&] { parse_config(k); }).find("\"ddp.model_averaging\" configures post-local SGD"), std::string::npos);
+  k["ddp"] = {{"comm_hook", "post_local_sgd"}, {"model_averaging", {{"period", 2}}}, {"comm_state_option", {{"warm_start", false}}}};
+  EXPECT_NE(error_of([&] { parse_config(k); })
+                .find("\"ddp.comm_state_option.warm_start\" configures PowerSGD, but \"ddp.comm_hook\" is \"post_local_sgd\""),
+            std::string::npos);
+  k["ddp"] = {{"comm_hook", "post_local_sgd"}, {"model_averaging", {{"period", 2}}}, {"deterministic", true}};
+  EXPECT_NE(error_of([&] { parse_config(k); }).find("drop \"ddp.comm_hook\" \"post_local_sgd\""), std::string::npos);
 }
 
 TEST(Config, CrossFieldChecks) {

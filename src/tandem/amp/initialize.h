@@ -59,6 +59,9 @@ class Amp {
   const std::optional<OverflowReport>& last_overflow() const { return last_overflow_; }
   // f32 masters, one per low-precision model parameter (O2), in optimizer order.
   const std::vector<Tensor>& master_params() const { return masters_; }
+  // Rounds the masters into the model's low-precision parameters, as after every optimizer step;
+  // for code that changes the masters outside step() (a model averager). No-op without masters.
+  void copy_masters_to_model() { write_back(); }
 
   // Everything to resume: the optimizer's state (for the f32 masters at O2), the masters
   // themselves, and the loss scale.

@@ -14,6 +14,11 @@ PostLocalSGDState::PostLocalSGDState(PostLocalSGDOptions options) : options_(std
                options_.start_localSGD_iter);
 }
 
+void PostLocalSGDState::set_iter(int64_t iter) {
+  TANDEM_CHECK(iter >= 0, ValueError, "PostLocalSGDState: iter must be >= 0, got {}", iter);
+  iter_ = iter;
+}
+
 HookResult post_localsgd_bucket(PostLocalSGDState& state, dist::ProcessGroup& group, GradBucket& bucket) {
   const PostLocalSGDOptions& o = state.options_;
   if (state.iter_ < o.start_localSGD_iter) {
@@ -43,6 +48,11 @@ bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params
   dist::ProcessGroup& group = group_ ? *group_ : *dist::default_group();
   coalesced(params, [&](Tensor& flat) { group.all_reduce(flat, dist::ReduceOp::AVG)->wait(); });
   return true;
+}
+
+void PeriodicModelAverager::set_step(int64_t step) {
+  TANDEM_CHECK(step >= 0, ValueError, "PeriodicModelAverager: step must be >= 0, got {}", step);
+  step_ = step;
 }
 
 }  // namespace tandem::parallel

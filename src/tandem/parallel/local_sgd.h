@@ -47,6 +47,9 @@ class PostLocalSGDState {
   const PostLocalSGDOptions& options() const { return options_; }
   // Iterations counted so far (at each iteration's last bucket, until the start).
   int64_t iter() const { return iter_; }
+  // Restores the count of a saved state (torch pickles `iter` with the state). Throws ValueError
+  // for a negative count.
+  void set_iter(int64_t iter);
 
  private:
   friend HookResult post_localsgd_bucket(PostLocalSGDState& state, dist::ProcessGroup& group, GradBucket& bucket);
@@ -69,6 +72,11 @@ class PeriodicModelAverager {
   bool average_parameters(const std::vector<Tensor>& params);
   // Calls so far (torch's averager.step).
   int64_t step() const { return step_; }
+  // Restores the count of a saved run (what torch's PostLocalSGDOptimizer.load_state_dict does
+  // with its "step"), so averaging resumes on the same calls. Throws ValueError if negative.
+  void set_step(int64_t step);
+  int64_t period() const { return period_; }
+  int64_t warmup_steps() const { return warmup_steps_; }
 
  private:
   int64_t period_, warmup_steps_;

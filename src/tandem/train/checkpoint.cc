@@ -14,7 +14,6 @@
 
 #include "tandem/core/error.h"
 #include "tandem/core/safetensors.h"
-#include "tandem/nn/serialize.h"
 
 namespace tandem::train {
 namespace {
@@ -126,12 +125,47 @@ std::vector<Tensor> optimizer_params(const optim::Optimizer& opt) {
   return out;
 }
 
+// The target's replica, and amp's loss-scale state into `scaler` when amp manages the optimizer.
+Replica replica_and_scaler(const CheckpointTarget& t, std::map<std::string, double>* scaler) {
+  Replica r;
+  r.model = t.model->state_dict();
+  r.optimizer = optimizer_state(t, &r.masters, scaler);
+  return r;
+}
+
+// A replica's three files into `dir`.
+void write_replica(const std::string& dir, const Replica& r, const std::string& optimizer_name) {
+  save_safetensors(dir + "/" + kModelFile, r.model);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (size_t i = 0; i < r.optimizer.state.size(); ++i) {
+    for (const auto& [k, v] : r.optimizer.state[i]) tensors.emplace_back(fmt::format("state.{}.{}", i, k), v);
+  }
+  json groups = json::array();
+  for (const auto& g : r.optimizer.param_groups) groups.push_back(g);
+  save_safetensors(dir + "/" + kOptimizerFile, tensors,
+                   {{"param_groups", groups.dump()}, {"num_params", std::to_string(r.optimizer.state.size())},
+                    {"optimizer", optimizer_name}});
+  if (!r.masters.empty()) {
+    std::vector<std::pair<std::string, Tensor>> m;
+    for (size_t i = 0; i < r.masters.size(); ++i) m.emplace_back(fmt::format("master.{}", i), r.masters[i]);
+    save_safetensors(dir + "/" + kMasterFile, m);
+  }
+}
+
 }  // namespace
+
+Replica replica_of(const CheckpointTarget& target) {
+  TANDEM_CHECK(target.model && target.optimizer, ValueError, "replica_of: the target needs a model and an optimizer");
+  std::map<std::string, double> scaler;
+  return replica_and_scaler(target, &scaler);
+}
+
+std::string replica_name(int rank) { return fmt::format("rank_{}", rank); }
 
 std::string checkpoint_name(int64_t step) { return fmt::format("{}{:08d}", kPrefix, step); }
 
 std::string save_checkpoint(const std::string& root, const CheckpointTarget& target, const CheckpointState& state,
-                            int64_t keep_last) {
+                            int64_t keep_last, const std::vector<Replica>& other_ranks) {
   TANDEM_CHECK(target.model && target.optimizer, ValueError, "save_checkpoint: the target needs a model and an optimizer");
   TANDEM_CHECK(keep_last >= 1, ValueError, "save_checkpoint: keep_last is {}, expected >= 1", keep_last);
   std::error_code ec;
@@ -145,26 +179,19 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
   TANDEM_CHECK(!ec, IOError, "checkpoint: cannot create {}: {}", tmp, ec.message());
   try {
     // ---- the files (each save_safetensors is itself fsync'ed) ----
-    nn::save_state_dict(*target.model, tmp + "/" + kModelFile);
-    std::vector<Tensor> masters;
     CheckpointState st = state;
     std::map<std::string, double> amp_scaler;
-    const optim::OptimizerState os = optimizer_state(target, &masters, &amp_scaler);
+    const Replica mine = replica_and_scaler(target, &amp_scaler);
     if (target.amp) st.scaler = amp_scaler;
-    std::vector<std::pair<std::string, Tensor>> tensors;
-    for (size_t i = 0; i < os.state.size(); ++i) {
-      for (const auto& [k, v] : os.state[i]) tensors.emplace_back(fmt::format("state.{}.{}", i, k), v);
+    write_replica(tmp, mine, target.optimizer->name());
+    for (size_t i = 0; i < other_ranks.size(); ++i) {
+      const std::string sub = tmp + "/" + replica_name(static_cast<int>(i) + 1);
+      fs::create_directory(sub, ec);
+      TANDEM_CHECK(!ec, IOError, "checkpoint: cannot create {}: {}", sub, ec.message());
+      write_replica(sub, other_ranks[i], target.optimizer->name());
+      fsync_path(sub, true);
     }
-    json groups = json::array();
-    for (const auto& g : os.param_groups) groups.push_back(g);
-    save_safetensors(tmp + "/" + kOptimizerFile, tensors,
-                     {{"param_groups", groups.dump()}, {"num_params", std::to_string(os.state.size())},
-                      {"optimizer", target.optimizer->name()}});
-    if (!masters.empty()) {
-      std::vector<std::pair<std::string, Tensor>> m;
-      for (size_t i = 0; i < masters.size(); ++i) m.emplace_back(fmt::format("master.{}", i), masters[i]);
-      save_safetensors(tmp + "/" + kMasterFile, m);
-    }
+    if (!other_ranks.empty()) st.extra["replicas"] = other_ranks.size() + 1;
     if (!state.comm_hook.empty()) save_safetensors(tmp + "/" + kCommHookFile, state.comm_hook);
     write_file_durable(tmp + "/" + kStateFile, state_to_json(st).dump(1) + "\n");
     fsync_path(tmp, true);
@@ -221,18 +248,28 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
   return all.back();
 }
 
-CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target) {
+CheckpointState load_checkpoint(const std::string& top, const CheckpointTarget& target, int rank, int world) {
   TANDEM_CHECK(target.model && target.optimizer, ValueError, "load_checkpoint: the target needs a model and an optimizer");
   // ---- read everything ----
-  const std::string state_path = dir + "/" + kStateFile;
+  const std::string state_path = top + "/" + kStateFile;
   CheckpointState st = state_from_json(read_json(state_path), state_path);
+  // This rank's files: rank 0's at the top, another rank's replica in its subdirectory.
+  const int64_t replicas = st.extra.value("replicas", int64_t{0});
+  TANDEM_CHECK(replicas == 0 || (replicas == world && rank < world), ValueError,
+               "load_checkpoint: {} holds the replicas of {} ranks (they trained apart), this run has {}; resume it with {} "
+               "processes (or start a new run directory)",
+               top, replicas, world, replicas);
+  const std::string dir = replicas > 0 && rank > 0 ? top + "/" + replica_name(rank) : top;
+  TANDEM_CHECK(fs::is_directory(dir), IOError,
+               "load_checkpoint: {} has no {}/ (rank {}'s replica); restore it or resume from another checkpoint", top,
+               replica_name(rank), rank);
   const SafetensorsFile model_file = load_safetensors(dir + "/" + kModelFile);
   const SafetensorsFile opt_file = load_safetensors(dir + "/" + kOptimizerFile);
   std::optional<SafetensorsFile> master_file;
   const bool want_masters = target.amp && !target.amp->master_params().empty();
   if (want_masters) master_file = load_safetensors(dir + "/" + kMasterFile);
-  if (fs::exists(dir + "/" + kCommHookFile)) {
-    const SafetensorsFile hook_file = load_safetensors(dir + "/" + kCommHookFile);
+  if (fs::exists(top + "/" + kCommHookFile)) {
+    const SafetensorsFile hook_file = load_safetensors(top + "/" + kCommHookFile);
     for (const auto& [name, t] : hook_file.tensors) st.comm_hook.emplace_back(name, t);
   }
 
@@ -305,7 +342,7 @@ CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& 
       }
     }
     for (const char* k : {"scale", "_growth_tracker", "_hysteresis_left"}) {
-      TANDEM_CHECK(st.scaler.count(k), ValueError, "load_checkpoint: {}/{} has no amp loss-scale \"{}\"", dir, kStateFile, k);
+      TANDEM_CHECK(st.scaler.count(k), ValueError, "load_checkpoint: {}/{} has no amp loss-scale \"{}\"", top, kStateFile, k);
     }
     amp_state.scaler = st.scaler;
   }

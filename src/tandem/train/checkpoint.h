@@ -25,6 +25,9 @@ namespace tandem::train {
 //   master_weights.safetensors  f32 master copies "master.<i>" (amp O2 only)
 //   comm_hook.safetensors the DDP communication hook's tensors (PowerSGD: every rank's error
 //                         feedback, the warm-start Qs), when it has state
+//   rank_<r>/             rank r's replica (model, optimizer, master_weights files as above), for
+//                         r = 1 .. world-1, when the ranks' replicas may differ (post-local SGD);
+//                         the files above are rank 0's
 //   trainer_state.json    step, sampler epoch and position, scheduler step, RNG (seed, offset),
 //                         loss-scaler state, the config, and free-form extras
 struct CheckpointState {
@@ -48,8 +51,20 @@ struct CheckpointTarget {
   amp::Amp* amp = nullptr;
 };
 
+// What one rank holds when the ranks train apart (post-local SGD between averagings): its model
+// state, its optimizer's per-parameter state and (amp O2) its f32 masters.
+struct Replica {
+  nn::StateDict model;
+  optim::OptimizerState optimizer;
+  std::vector<Tensor> masters;
+};
+// The live replica of `target` (tensors shared with the model; optimizer state and masters copied).
+Replica replica_of(const CheckpointTarget& target);
+
 // "step_00000012".
 std::string checkpoint_name(int64_t step);
+// "rank_3": the subdirectory of rank 3's replica.
+std::string replica_name(int rank);
 
 // Writes a checkpoint of `target` and `state` to root/checkpoint_name(state.step), atomically
 // (temporary directory ".tmp.<name>.<pid>", files and directory fsync'ed, rename, root fsync'ed),
@@ -57,9 +72,11 @@ std::string checkpoint_name(int64_t step);
 // An existing checkpoint of the same step is replaced (briefly moved aside while the new one is
 // renamed in). Blocks until durable; returns the directory. Throws IOError naming the path and
 // the OS error; on failure the temporary is removed and existing checkpoints are untouched.
-// Call from one process only (rank 0): the checkpoint holds one replica of the model.
+// Call from one process only (rank 0): the checkpoint holds one replica of the model, plus
+// `other_ranks[i]` as rank i+1's replica (in rank_<i+1>/, inside the same atomic directory) when
+// the ranks' replicas differ; then trainer_state.json's extra "replicas" counts them.
 std::string save_checkpoint(const std::string& root, const CheckpointTarget& target, const CheckpointState& state,
-                            int64_t keep_last);
+                            int64_t keep_last, const std::vector<Replica>& other_ranks = {});
 
 // The complete checkpoints under `root`, oldest first (directories named step_N holding a
 // readable trainer_state.json; temporaries are ignored). Empty when root does not exist.
@@ -71,7 +88,10 @@ std::optional<std::string> latest_checkpoint(const std::string& root);
 // name and shape, the optimizer's parameter count and state shapes, the masters), and only then
 // copies the values in. Returns the saved CheckpointState. Throws IOError for a missing or
 // truncated file (naming it) and ValueError naming the tensor and both shapes for a model that
-// differs; in every error case nothing in `target` has changed.
-CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target);
+// differs; in every error case nothing in `target` has changed. A checkpoint saved with the ranks'
+// replicas (extra "replicas": their count) gives rank `rank` of `world` its own (rank_<rank>/ for
+// rank > 0), and is refused, naming both counts, when `world` differs (a rank would lack one, or
+// replicas would be dropped). Without replicas every rank loads the one.
+CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target, int rank = 0, int world = 1);
 
 }  // namespace tandem::train

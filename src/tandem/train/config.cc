@@ -94,7 +94,7 @@ const std::vector<Spec>& specs() {
       {"ddp.gradient_as_bucket_view", Kind::Bool},
       {"ddp.static_graph", Kind::Bool},
       {"ddp.delay_allreduce", Kind::Bool},
-      {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd"}},
+      {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd", "post_local_sgd"}},
       {"ddp.comm_wrapper", Kind::Enum, 0, 0, {"no", "fp16", "bf16"}},
       {"ddp.comm_state_option.matrix_approximation_rank", Kind::Int, 1, kInf},
       {"ddp.comm_state_option.start_powerSGD_iter", Kind::Int, 0, kInf},
@@ -103,6 +103,11 @@ const std::vector<Spec>& specs() {
       {"ddp.comm_state_option.warm_start", Kind::Bool},
       {"ddp.comm_state_option.orthogonalization_epsilon", Kind::Number, 0, kInf},
       {"ddp.comm_state_option.random_seed", Kind::Int, 0, 9007199254740992.0},
+      {"ddp.comm_state_option.start_localSGD_iter", Kind::Int, 0, kInf},
+      {"ddp.comm_state_option.post_local_gradient_allreduce", Kind::Bool},
+      {"ddp.comm_state_option.subgroup_size", Kind::Int, 1, kInf},
+      {"ddp.model_averaging.period", Kind::Int, 1, kInf},
+      {"ddp.model_averaging.warmup_steps", Kind::Int, 0, kInf},
       {"ddp.sync_batchnorm", Kind::Bool},
       {"ddp.deterministic", Kind::Bool},
       {"ddp.check_replicas_every", Kind::Int, 0, kInf},
@@ -422,6 +427,45 @@ void apply_override(nlohmann::json& j, const std::string& assignment) {
   }
 }
 
+// ddp.comm_hook "post_local_sgd": torch's PostLocalSGDState arguments under comm_state_option
+// (start_localSGD_iter, post_local_gradient_allreduce, and subgroup_size for torch's
+// new_subgroups) and PeriodicModelAverager's under model_averaging (period, warmup_steps).
+void parse_post_local_sgd(Config& c, const json& j) {
+  DdpConfig& d = c.ddp;
+  const bool on = d.comm_hook == "post_local_sgd";
+  for (const char* k : {"comm_state_option.start_localSGD_iter", "comm_state_option.post_local_gradient_allreduce",
+                        "comm_state_option.subgroup_size", "model_averaging"}) {
+    TANDEM_CHECK(on || !at(j, std::string("ddp.") + k), ValueError,
+                 "config: \"ddp.{}\" configures post-local SGD, but \"ddp.comm_hook\" is \"{}\"; set it to "
+                 "\"post_local_sgd\" or drop the option",
+                 k, d.comm_hook);
+  }
+  if (!on) return;
+  get_int(j, "ddp.comm_state_option.start_localSGD_iter", d.post_local.start_localSGD_iter);
+  get(j, "ddp.comm_state_option.post_local_gradient_allreduce", d.post_local.post_local_gradient_allreduce);
+  get_int(j, "ddp.comm_state_option.subgroup_size", d.subgroup_size);
+  TANDEM_CHECK(d.subgroup_size == 0 || c.world_size % d.subgroup_size == 0, ValueError,
+               "config: \"ddp.comm_state_option.subgroup_size\" {} does not divide the {} processes into equal groups; "
+               "pick a divisor of {}",
+               d.subgroup_size, c.world_size, c.world_size);
+  TANDEM_CHECK(at(j, "ddp.model_averaging.period"), ValueError,
+               "config: \"ddp.comm_hook\" \"post_local_sgd\" needs \"ddp.model_averaging.period\": the optimizer steps "
+               "between two averagings of the parameters (PeriodicModelAverager's period; torch's examples use 4)");
+  get_int(j, "ddp.model_averaging.period", d.averaging_period);
+  // torch's advice: start averaging when local SGD starts.
+  d.averaging_warmup_steps = d.post_local.start_localSGD_iter;
+  get_int(j, "ddp.model_averaging.warmup_steps", d.averaging_warmup_steps);
+  TANDEM_CHECK(d.options.check_replicas_every == 0, ValueError,
+               "config: \"ddp.check_replicas_every\" {} with \"ddp.comm_hook\" \"post_local_sgd\": between averagings "
+               "the ranks' replicas differ on purpose, so the check would fail; drop it",
+               d.options.check_replicas_every);
+  TANDEM_CHECK(!at(j, "communication_data_type") || at(j, "communication_data_type")->get<std::string>() == "fp32",
+               ValueError,
+               "config: \"communication_data_type\" \"{}\" with \"ddp.comm_hook\" \"post_local_sgd\": its all-reduces "
+               "send the gradients as they are (torch's hook has no 16-bit form); drop the key",
+               at(j, "communication_data_type") ? at(j, "communication_data_type")->get<std::string>() : "");
+}
+
 // The ddp section and DeepSpeed's communication_data_type (the wire dtype of f32 gradients: the
 // same setting as comm_hook fp16/bf16). Needs c.opt_level, c.fp16 and c.bf16 parsed.
 void parse_ddp(Config& c, const json& j) {
@@ -465,10 +509,14 @@ void parse_ddp(Config& c, const json& j) {
   get(j, "ddp.comm_state_option.warm_start", ps.warm_start);
   get(j, "ddp.comm_state_option.orthogonalization_epsilon", ps.orthogonalization_epsilon);
   if (const json* v = at(j, "ddp.comm_state_option.random_seed")) ps.random_seed = static_cast<uint64_t>(v->get<double>());
-  TANDEM_CHECK(!at(j, "ddp.comm_state_option") || d.comm_hook == "power_sgd", ValueError,
-               "config: \"ddp.comm_state_option\" configures PowerSGD, but \"ddp.comm_hook\" is \"{}\"; set it to "
-               "\"power_sgd\" or drop the options",
-               d.comm_hook);
+  for (const char* k : {"matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
+                        "warm_start", "orthogonalization_epsilon", "random_seed"}) {
+    TANDEM_CHECK(!at(j, std::string("ddp.comm_state_option.") + k) || d.comm_hook == "power_sgd", ValueError,
+                 "config: \"ddp.comm_state_option.{}\" configures PowerSGD, but \"ddp.comm_hook\" is \"{}\"; set it to "
+                 "\"power_sgd\" or drop the option",
+                 k, d.comm_hook);
+  }
+  parse_post_local_sgd(c, j);
   TANDEM_CHECK(!((ps.use_error_feedback || ps.warm_start) && ps.start_powerSGD_iter <= 1), ValueError,
                "config: \"ddp.comm_state_option.start_powerSGD_iter\" is {}: it must be > 1 with use_error_feedback or "
                "warm_start (PyTorch's rule)",
@@ -488,7 +536,9 @@ void parse_ddp(Config& c, const json& j) {
     TANDEM_CHECK(!o.deterministic || wire == "fp32", ValueError,
                  "config: \"ddp.deterministic\" gathers the exact f32 gradients; drop \"communication_data_type\" \"{}\"", t);
     const std::string low = wire == "fp32" ? "no" : wire;
-    if (d.comm_hook == "power_sgd") {
+    if (d.comm_hook == "post_local_sgd") {
+      // fp32 only (parse_post_local_sgd): nothing to set.
+    } else if (d.comm_hook == "power_sgd") {
       TANDEM_CHECK(!at(j, "ddp.comm_wrapper") || d.comm_wrapper == low, ValueError,
                    "config: \"communication_data_type\" \"{}\" and \"ddp.comm_wrapper\" \"{}\" disagree on the wire dtype of "
                    "PowerSGD's factors; give one of them",
@@ -517,7 +567,7 @@ void parse_ddp(Config& c, const json& j) {
                  "config: amp.opt_level {} keeps {} parameters, whose gradients are reduced in {} (f32 accumulation); {} "
                  "applies to f32 gradients only: drop it, or use amp.opt_level O1",
                  c.opt_level, low, low, asked);
-    if (d.comm_hook != "power_sgd") d.comm_hook = "no";
+    if (d.comm_hook != "power_sgd" && d.comm_hook != "post_local_sgd") d.comm_hook = "no";
     d.comm_wrapper = "no";
   }
 }

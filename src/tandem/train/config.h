@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/local_sgd.h"
 #include "tandem/parallel/powersgd.h"
 
 namespace tandem::train {
@@ -104,14 +105,23 @@ struct DdpConfig {
   // each epoch drops its last partial global batch.
   parallel::DDPOptions options;
   // "no" (f32 all-reduce), "fp16" or "bf16" (torch's fp16/bf16_compress_hook: f32 gradients sent
-  // in 16 bits, accumulated in f32, cast back), or "power_sgd" (powerSGD_hook with `power_sgd`'s
-  // options, Accelerate's comm_state_option; its state goes into checkpoints). DeepSpeed's
+  // in 16 bits, accumulated in f32, cast back), "power_sgd" (powerSGD_hook with `power_sgd`'s
+  // options, Accelerate's comm_state_option; its state goes into checkpoints) or
+  // "post_local_sgd" (below). DeepSpeed's
   // top-level communication_data_type (fp32 | fp16 | bf16) sets the same wire dtype.
   std::string comm_hook = "no";
   // power_sgd only: "fp16" / "bf16" runs it through fp16/bf16_compress_wrapper (its factors and
   // small gradients sent in 16 bits); communication_data_type sets the same.
   std::string comm_wrapper = "no";
   parallel::PowerSGDOptions power_sgd;
+  // "post_local_sgd": torch's post_localSGD_hook with these options (its subgroup: consecutive
+  // groups of subgroup_size ranks, torch's new_subgroups; 0: the processes of one node,
+  // LOCAL_WORLD_SIZE) and a PeriodicModelAverager(averaging_period, averaging_warmup_steps) after
+  // every optimizer step; checkpoints hold every rank's replica.
+  parallel::PostLocalSGDOptions post_local;
+  int64_t subgroup_size = 0;
+  int64_t averaging_period = 0;
+  int64_t averaging_warmup_steps = 0;
   bool sync_batchnorm = false;  // convert_sync_batchnorm on the model (W2's BatchNorms)
 };
 

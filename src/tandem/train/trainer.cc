@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <limits>
@@ -41,6 +42,7 @@
 #include "tandem/optim/lr_scheduler.h"
 #include "tandem/optim/sgd.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/local_sgd.h"
 #include "tandem/parallel/powersgd.h"
 #include "tandem/parallel/sync_batch_norm.h"
 #include "tandem/train/checkpoint.h"
@@ -304,6 +306,78 @@ void restore_powersgd(parallel::PowerSGDState& state, const CheckpointState& st,
   state.load_state_dict(d);
 }
 
+
+// Every tensor of a replica, in one fixed order (model, optimizer state by parameter then key,
+// masters): the same shapes and dtypes on every rank, which trained the same model with the same
+// optimizer.
+std::vector<Tensor*> replica_tensors(Replica& r) {
+  std::vector<Tensor*> out;
+  for (auto& [name, t] : r.model) out.push_back(&t);
+  for (auto& per_param : r.optimizer.state)
+    for (auto& [key, t] : per_param) out.push_back(&t);
+  for (Tensor& t : r.masters) out.push_back(&t);
+  return out;
+}
+
+// The replicas of ranks 1..world-1 on rank 0 (empty elsewhere), for a checkpoint of ranks that
+// trained apart (post-local SGD): each rank's replica as raw bytes, gathered to rank 0 (a
+// collective every rank makes), and read back there into copies shaped like rank 0's own.
+std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::ProcessGroup& pg) {
+  Replica mine = replica_of(target);
+  const std::vector<Tensor*> parts = replica_tensors(mine);
+  int64_t bytes = 0;
+  for (const Tensor* t : parts) bytes += static_cast<int64_t>(t->nbytes());
+  Tensor packed = empty({bytes}, kUInt8);
+  auto* p = static_cast<uint8_t*>(packed.data_ptr());
+  for (const Tensor* t : parts) {
+    const Tensor c = t->contiguous();
+    std::memcpy(p, c.data_ptr(), c.nbytes());
+    p += c.nbytes();
+  }
+  const int world = pg.size();
+  Tensor all = pg.rank() == 0 ? empty({bytes * world}, kUInt8) : empty({bytes}, kUInt8);
+  pg.gather(dist::as_buffer(all), dist::as_buffer(packed), 0)->wait();
+  std::vector<Replica> others;
+  if (pg.rank() != 0) return others;
+  const auto* src = static_cast<const uint8_t*>(all.data_ptr());
+  for (int r = 1; r < world; ++r) {
+    Replica copy = mine;  // the structure; every tensor is replaced below
+    const uint8_t* q = src + static_cast<size_t>(r) * static_cast<size_t>(bytes);
+    for (Tensor* t : replica_tensors(copy)) {
+      Tensor fresh = empty(t->shape(), t->dtype());
+      std::memcpy(fresh.data_ptr(), q, fresh.nbytes());
+      q += fresh.nbytes();
+      *t = fresh;
+    }
+    others.push_back(std::move(copy));
+  }
+  return others;
+}
+
+// torch's new_subgroups(size): consecutive groups of `size` ranks; every rank makes every group
+// (c10d's rule) and keeps its own. nullptr when one group would be the whole world (DDP's group).
+std::shared_ptr<dist::ProcessGroup> local_sgd_subgroup(int64_t size, int world, int rank) {
+  if (size <= 0 || size >= world) return nullptr;
+  std::shared_ptr<dist::ProcessGroup> mine;
+  for (int first = 0; first < world; first += static_cast<int>(size)) {
+    std::vector<int> ranks(static_cast<size_t>(size));
+    std::iota(ranks.begin(), ranks.end(), first);
+    std::shared_ptr<dist::ProcessGroup> g = dist::new_group(ranks);
+    if (rank >= first && rank < first + size) mine = g;
+  }
+  return mine;
+}
+
+// Post-local SGD's counters from a checkpoint (the replicas came with load_checkpoint, which
+// refuses another world size). One saved with another hook leaves them fresh.
+void restore_local_sgd(parallel::PostLocalSGDState& state, parallel::PeriodicModelAverager& averager,
+                       const CheckpointState& st) {
+  if (!st.extra.contains("comm_hook") || st.extra["comm_hook"].value("type", "") != "post_local_sgd") return;
+  const json& meta = st.extra["comm_hook"];
+  state.set_iter(meta.at("iter").get<int64_t>());
+  averager.set_step(meta.at("averager_step").get<int64_t>());
+}
+
 }  // namespace
 
 json TrainSummary::to_json() const {
@@ -401,6 +475,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   std::shared_ptr<parallel::DistributedDataParallel> ddp;
   std::string ddp_describe;
   std::shared_ptr<parallel::PowerSGDState> powersgd;
+  std::shared_ptr<parallel::PostLocalSGDState> local_sgd;
+  std::unique_ptr<parallel::PeriodicModelAverager> averager;
   if (pg) {
     const DdpConfig& dc = cfg.ddp;
     ddp = std::make_shared<parallel::DistributedDataParallel>(model, pg, dc.options);
@@ -418,6 +494,19 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
                               dc.power_sgd.start_powerSGD_iter,
                               dc.comm_wrapper == "no" ? "" : fmt::format(" in {}", dc.comm_wrapper));
     }
+    if (dc.comm_hook == "post_local_sgd") {
+      const int64_t size = dc.subgroup_size > 0 ? dc.subgroup_size : env.local_world_size > 0 ? env.local_world_size : world;
+      parallel::PostLocalSGDOptions o = dc.post_local;
+      if (o.post_local_gradient_allreduce) o.subgroup = local_sgd_subgroup(size, world, rank);
+      local_sgd = std::make_shared<parallel::PostLocalSGDState>(o);
+      ddp->register_comm_hook(parallel::post_localSGD_hook(local_sgd));
+      averager = std::make_unique<parallel::PeriodicModelAverager>(dc.averaging_period, dc.averaging_warmup_steps, pg);
+      const std::string grads = !o.post_local_gradient_allreduce ? "each rank's own gradients"
+                                : o.subgroup ? fmt::format("gradients averaged in groups of {}", size)
+                                             : "gradients averaged over all ranks";
+      hook_text = fmt::format(" with post-local SGD from iteration {} ({}; parameters averaged every {} steps from step {})",
+                              o.start_localSGD_iter, grads, dc.averaging_period, dc.averaging_warmup_steps);
+    }
     ddp_describe = fmt::format(", DDP over {}{}{}{}", world > 1 ? cfg.dist.backend : "one process", hook_text,
                                sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "",
                                dc.options.deterministic ? ", deterministic" : "");
@@ -433,7 +522,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   if (!opts.resume.empty()) {
     std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
     if (dir) {
-      const CheckpointState st = load_checkpoint(*dir, target);
+      const CheckpointState st = load_checkpoint(*dir, target, rank, world);
       step = st.step;
       if (prec.scaler) prec.scaler->load_state_dict(st.scaler);
       loader.load_state({st.epoch, resume_position(st, *dir, world, cfg.train_micro_batch_size_per_gpu)});
@@ -442,6 +531,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       default_generator().set_offset(st.rng_offset);
       skipped = st.extra.value("skipped_steps", int64_t{0});
       if (powersgd) restore_powersgd(*powersgd, st, *dir, rank, world);
+      if (local_sgd) restore_local_sgd(*local_sgd, *averager, st);
       resumed_from = *dir;
     }
   }
@@ -478,6 +568,13 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     std::vector<std::pair<std::string, Tensor>> hook_tensors;
     json hook_meta;
     if (powersgd) hook_tensors = gather_powersgd(*powersgd, *pg, &hook_meta);
+    // Post-local SGD: the replicas differ between averagings, so every rank's goes in.
+    std::vector<Replica> replicas;
+    if (local_sgd) {
+      replicas = gather_replicas(target, *pg);
+      hook_meta = {{"type", "post_local_sgd"}, {"iter", local_sgd->iter()}, {"averager_step", averager->step()},
+                   {"world_size", world}};
+    }
     if (main_rank) {
       CheckpointState st;
       st.step = at_step;
@@ -490,11 +587,11 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       if (prec.scaler) st.scaler = prec.scaler->state_dict();
       st.config = cfg.source;
       st.extra = {{"skipped_steps", skipped}, {"world_size", world}, {"micro_batch_size", cfg.train_micro_batch_size_per_gpu}};
-      if (powersgd) {
+      if (powersgd || local_sgd) {
         st.extra["comm_hook"] = hook_meta;
         st.comm_hook = std::move(hook_tensors);
       }
-      sum.last_checkpoint = save_checkpoint(ckpt_root, target, st, cfg.train.keep_last);
+      sum.last_checkpoint = save_checkpoint(ckpt_root, target, st, cfg.train.keep_last, replicas);
     }
     if (pg) pg->barrier()->wait();
     overhead_s += seconds_since(t0);
@@ -584,6 +681,10 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       grad_norm = optim::clip_grad_norm_(opt_params, max_norm);
       opt->step();
     }
+    // Post-local SGD: after each optimizer step that happened (torch's PostLocalSGDOptimizer:
+    // GradScaler's skipped steps never reach it) the averager may average what the optimizer
+    // updates (amp O2: the f32 masters, then rounded into the model).
+    if (averager && stepped && averager->average_parameters(opt_params) && prec.amp) prec.amp->copy_masters_to_model();
     const double lr = opt->param_groups()[0].options.at("lr");
     // As DeepSpeed: a skipped step does not advance the schedule.
     if (stepped) schedule.step();
