@@ -18,6 +18,7 @@
 #include "tandem/amp/autocast.h"
 #include "tandem/dist/spawn.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/local_sgd.h"
 #include "tandem/parallel/powersgd.h"
 
 namespace td = tandem;
@@ -100,6 +101,7 @@ void run_rank(const Args& a) {
     }
   }
   td::parallel::DistributedDataParallel ddp(model, group, a.ddp);
+  std::unique_ptr<td::parallel::PeriodicModelAverager> averager;
   if (a.comm_hook == "fp16") {
     ddp.register_comm_hook(td::parallel::fp16_compress_hook);
   } else if (a.comm_hook == "bf16") {
@@ -107,8 +109,14 @@ void run_rank(const Args& a) {
   } else if (a.comm_hook == "powersgd") {
     ddp.register_comm_hook(td::parallel::powerSGD_hook(std::make_shared<td::parallel::PowerSGDState>(
         td::parallel::PowerSGDOptions{.matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = 2})));
+  } else if (a.comm_hook == "localsgd") {
+    // Post-local SGD: two plain DDP steps, then each rank's own gradients, the parameters averaged
+    // every 4 optimizer steps (torch's post_localSGD_hook + PeriodicModelAverager).
+    ddp.register_comm_hook(td::parallel::post_localSGD_hook(std::make_shared<td::parallel::PostLocalSGDState>(
+        td::parallel::PostLocalSGDOptions{.start_localSGD_iter = 2, .post_local_gradient_allreduce = false})));
+    averager = std::make_unique<td::parallel::PeriodicModelAverager>(4, 2, group);
   } else if (a.comm_hook != "none") {
-    throw td::ValueError(fmt::format("--comm-hook must be none, fp16, bf16 or powersgd, got '{}'", a.comm_hook));
+    throw td::ValueError(fmt::format("--comm-hook must be none, fp16, bf16, powersgd or localsgd, got '{}'", a.comm_hook));
   }
   if (a.workload == "w1") {
     opt = std::make_unique<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
@@ -136,6 +144,7 @@ void run_rank(const Args& a) {
     loss.backward();
     const auto t2 = td::bench::Clock::now();
     opt->step();
+    if (averager) averager->average_parameters(model->parameters());
     if (a.phases) {
       ph.forward += std::chrono::duration<double>(t1 - t0).count();
       ph.backward += std::chrono::duration<double>(t2 - t1).count();
@@ -200,7 +209,7 @@ int main(int argc, char** argv) try {
   td::bench::parse_args(argc, argv, a,
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
-                        "[--gradient-as-bucket-view] [--delay-allreduce] [--comm-hook none|fp16|bf16|powersgd] "
+                        "[--gradient-as-bucket-view] [--delay-allreduce] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
                         "[--powersgd-rank R]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();

@@ -8,10 +8,11 @@
 #
 #   bench/run_ddp_bench.sh [--torch-python PY] [--build-dir DIR] [--seconds S] [--rounds R]
 #                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild] [--pair]
-#                          [--comm-hook none|fp16|bf16|powersgd] [--powersgd-rank R] [--bucket-cap-mb MB]
+#                          [--comm-hook none|fp16|bf16|powersgd|localsgd] [--powersgd-rank R] [--bucket-cap-mb MB]
 #
 # --comm-hook registers the same communication hook on both sides (PowerSGD: the given rank,
-# from the 3rd iteration on, error feedback and warm start). --bucket-cap-mb sets both sides'
+# from the 3rd iteration on, error feedback and warm start; localsgd: post-local SGD from the 3rd
+# iteration, each rank's own gradients, parameters averaged every 4 steps). --bucket-cap-mb sets both sides'
 # bucket size, the first bucket's too (torch 2.x does so when bucket_cap_mb is given); torch's
 # PowerSGD over gloo needs a single bucket (bench/torch_ddp_step.py).
 #

@@ -4,7 +4,7 @@ and one core each, the same W1/W2/W3 steps. Rank 0 prints one JSON line with the
 
   torch_ddp_step.py [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B]
                     [--seconds S] [--min-steps N] [--warmup W]
-                    [--comm-hook none|fp16|bf16|powersgd] [--powersgd-rank R] [--bucket-cap-mb MB]
+                    [--comm-hook none|fp16|bf16|powersgd|localsgd] [--powersgd-rank R] [--bucket-cap-mb MB]
 
 W1: the MLP, SGD(lr 0.05, momentum 0.9), batch 128 per rank; W2: the CNN, AdamW(lr 1e-3), batch
 64; W3: the GPT, AdamW(lr 1e-3), batch 8 x 128 tokens. "bf16" is torch.autocast("cpu",
@@ -42,7 +42,7 @@ def parse():
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--min-steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none")
+    p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd", "localsgd"], default="none")
     p.add_argument("--powersgd-rank", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     return p.parse_args()
@@ -85,6 +85,16 @@ def run(rank, args, port):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         ddp.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=args.powersgd_rank,
                                                   start_powerSGD_iter=2), psgd.powerSGD_hook)
+    averager = None
+    if args.comm_hook == "localsgd":
+        # Post-local SGD: two plain DDP steps, then each rank's own gradients, the parameters
+        # averaged every 4 optimizer steps. The subgroup is given (the default, new_subgroups(),
+        # counts CUDA devices); without post-local gradient all-reduce it is never used.
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pl
+        from torch.distributed.algorithms.model_averaging import averagers
+        ddp.register_comm_hook(pl.PostLocalSGDState(None, dist.group.WORLD, start_localSGD_iter=2,
+                                                    post_local_gradient_allreduce=False), pl.post_localSGD_hook)
+        averager = averagers.PeriodicModelAverager(period=4, warmup_steps=2)
     if args.workload == "w1":
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
@@ -101,6 +111,8 @@ def run(rank, args, port):
             loss = F.cross_entropy(out.view(-1, out.size(-1)) if gpt else out, ys[i])
         loss.backward()
         opt.step()
+        if averager is not None:
+            averager.average_parameters(model.parameters())
 
     for _ in range(max(args.warmup, 3)):
         step()

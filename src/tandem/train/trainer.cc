@@ -497,6 +497,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     if (dc.comm_hook == "post_local_sgd") {
       const int64_t size = dc.subgroup_size > 0 ? dc.subgroup_size : env.local_world_size > 0 ? env.local_world_size : world;
       parallel::PostLocalSGDOptions o = dc.post_local;
+      if (size == 1) o.post_local_gradient_allreduce = false;  // groups of one: each rank's own gradients
       if (o.post_local_gradient_allreduce) o.subgroup = local_sgd_subgroup(size, world, rank);
       local_sgd = std::make_shared<parallel::PostLocalSGDState>(o);
       ddp->register_comm_hook(parallel::post_localSGD_hook(local_sgd));
