@@ -369,9 +369,9 @@ bool same_tensors(const std::string& a, const std::string& b) {
 // steps 3 and 6 (warmup 2, period 3). Between averagings the replicas differ, so a checkpoint
 // holds every rank's (rank_1/); stopped at step 4, where they differ, and resumed, the run equals
 // the uninterrupted one bitwise, replicas included, in bf16 autocast and with amp O2 (whose f32
-// masters are what is averaged). The losses follow plain DDP through step 3 and part after it;
-// with groups of 2 among 4 processes (gradients averaged within a group) ranks 0 and 1 stay
-// equal and ranks 0 and 2 do not. Resuming on another process count, or without rank 1's files,
+// masters are what is averaged). The losses follow plain DDP through step 3 and part after it.
+// Subgroups of one are the same run; with groups of 2 among 4 processes (gradients averaged
+// within a group) ranks 0 and 1 stay equal and ranks 0 and 2 do not. Resuming on another process count, or without rank 1's files,
 // is refused with the reason.
 TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
   tandem::testing::TempDir dir;
@@ -419,6 +419,16 @@ TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
   ASSERT_EQ(ls.size(), 8u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(lp[i], ls[i]) << "step " << i + 1;
   EXPECT_NE(lp[3], ls[3]);
+
+  // Groups of one average nothing: the same run as post_local_gradient_allreduce false.
+  const std::string ones = dir.path() + "/ones";
+  ASSERT_EQ(run(launch + " --set ddp.comm_hook=post_local_sgd --set ddp.comm_state_option.start_localSGD_iter=2"
+                         " --set ddp.comm_state_option.subgroup_size=1 --set ddp.model_averaging.period=3 --out " + ones,
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("(each rank's own gradients;"), std::string::npos) << out;
+  expect_same_checkpoint(dir.path() + "/straight/checkpoints/step_00000008", ones + "/checkpoints/step_00000008");
 
   // Four processes in groups of two that average their gradients: 0 = 1, 2 = 3, 0 != 2.
   const std::string four = dir.path() + "/four";
