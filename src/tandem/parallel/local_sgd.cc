@@ -4,6 +4,7 @@
 
 #include <utility>
 
+#include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
 #include "tandem/parallel/ddp.h"
 
@@ -46,7 +47,29 @@ bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params
   const int64_t s = step_++;
   if (s < warmup_steps_ || (s - warmup_steps_) % period_ != 0) return false;
   dist::ProcessGroup& group = group_ ? *group_ : *dist::default_group();
-  coalesced(params, [&](Tensor& flat) { group.all_reduce(flat, dist::ReduceOp::AVG)->wait(); });
+  NoGradGuard no_grad;
+  std::map<DType, std::vector<const Tensor*>> by_dtype;
+  for (const Tensor& p : params) by_dtype[p.dtype()].push_back(&p);
+  for (const auto& [dt, list] : by_dtype) {
+    int64_t total = 0;
+    for (const Tensor* p : list) total += p->numel();
+    Flat& f = flats_[dt];
+    if (!f.tensor.defined() || f.tensor.numel() != total) {
+      f.memory = group.allocate(static_cast<size_t>(total) * element_size(dt));
+      f.tensor = from_blob(f.memory.get(), {total}, dt);
+    }
+    int64_t off = 0;
+    for (const Tensor* p : list) {
+      f.tensor.narrow(0, off, p->numel()).view(p->shape()).copy_(*p);
+      off += p->numel();
+    }
+    group.all_reduce(f.tensor, dist::ReduceOp::AVG)->wait();
+    off = 0;
+    for (const Tensor* p : list) {
+      Tensor(*p).copy_(f.tensor.narrow(0, off, p->numel()).view(p->shape()));
+      off += p->numel();
+    }
+  }
   return true;
 }
 

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -63,6 +64,9 @@ CommHook post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state);
 // average_parameters numbered warmup_steps, warmup_steps + period, warmup_steps + 2 period, ...
 // (counting from 0; torch's rule), one all-reduce per dtype; every other call only counts.
 // Every rank must make the same calls with the same parameters (a collective when it averages).
+// The parameters are gathered into one flat buffer per dtype that the averager keeps, allocated
+// through the group (shm reduces it in place), so an averaging moves each value twice (in, out)
+// plus the all-reduce.
 class PeriodicModelAverager {
  public:
   // Throws ValueError for period < 1 or warmup_steps < 0.
@@ -82,6 +86,11 @@ class PeriodicModelAverager {
   int64_t period_, warmup_steps_;
   std::shared_ptr<dist::ProcessGroup> group_;
   int64_t step_ = 0;
+  struct Flat {
+    std::shared_ptr<void> memory;  // from the group's allocate()
+    Tensor tensor;                 // a 1-d view of it
+  };
+  std::map<DType, Flat> flats_;
 };
 
 }  // namespace tandem::parallel
