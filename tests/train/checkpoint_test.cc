@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "tandem/tandem.h"
+#include "parallel/ranks.h"
 #include "util/test_util.h"
 
 namespace tandem::train {
@@ -323,6 +324,75 @@ TEST(Checkpoint, KilledDuringSaveLeavesTheLastCompleteOne) {
       EXPECT_TRUE(bitwise_equal(p, expected)) << "step " << st.step;
     }
   }
+}
+
+
+// Bitwise equality of two modules' states and two optimizers' states, for checks inside forked
+// ranks (where a gtest assertion would not reach the parent).
+bool same_replica(nn::Module& ma, const optim::Optimizer& oa, nn::Module& mb, const optim::Optimizer& ob) {
+  const auto sa = ma.state_dict(), sb = mb.state_dict();
+  if (sa.size() != sb.size()) return false;
+  for (size_t i = 0; i < sa.size(); ++i)
+    if (sa[i].first != sb[i].first || !bitwise_equal(sa[i].second, sb[i].second)) return false;
+  const auto pa = oa.state_dict(), pb = ob.state_dict();
+  if (pa.state.size() != pb.state.size()) return false;
+  for (size_t i = 0; i < pa.state.size(); ++i) {
+    if (pa.state[i].size() != pb.state[i].size()) return false;
+    for (const auto& [k, v] : pa.state[i])
+      if (!pb.state[i].count(k) || !bitwise_equal(v, pb.state[i].at(k))) return false;
+  }
+  return true;
+}
+
+// Ranks that trained apart (post-local SGD): gather_replicas brings ranks 1 and 2's model and
+// optimizer state to rank 0, which saves them beside its own; each rank then loads its own
+// replica back, bitwise, and not another's. Ranks whose optimizer states differ in structure
+// (one never stepped) are refused on every rank, naming the sizes.
+TEST(Checkpoint, GatheredReplicasComeBackToTheirOwnRanks) {
+  tandem::testing::TempDir dir;
+  const std::string root = dir.path() + "/ckpt";
+  tandem::testing::on_ranks(
+      3,
+      [&](std::shared_ptr<dist::ProcessGroup> group) {
+        const int rank = group->rank();
+        auto model = small_mlp(10 + static_cast<uint64_t>(rank));  // other weights on every rank
+        optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+        train_steps(*model, opt, 2 + rank);  // and other momenta
+        const CheckpointTarget target{model.get(), &opt, nullptr};
+        const std::vector<Replica> others = gather_replicas(target, *group);
+        if (rank != 0 && !others.empty()) tandem::testing::fail("a rank other than 0 got replicas");
+        if (rank == 0) {
+          if (others.size() != 2) tandem::testing::fail(fmt::format("rank 0 got {} replicas", others.size()));
+          save_checkpoint(root, target, sample_state(5), 1, others);
+        }
+        group->barrier()->wait();
+        auto fresh = small_mlp(99);
+        optim::SGD fresh_opt(fresh->parameters(), {.lr = 0.1, .momentum = 0.9});
+        train_steps(*fresh, fresh_opt, 1);
+        if (same_replica(*fresh, fresh_opt, *model, opt)) tandem::testing::fail("the fresh model starts equal");
+        const CheckpointState st = load_checkpoint(root + "/step_00000005", {fresh.get(), &fresh_opt, nullptr}, rank, 3);
+        if (st.extra.value("replicas", 0) != 3) tandem::testing::fail("extra.replicas is not 3");
+        if (!same_replica(*fresh, fresh_opt, *model, opt))
+          tandem::testing::fail(fmt::format("rank {} did not get its own replica back", rank));
+
+        // One rank never stepped: no momentum buffers there.
+        auto m2 = small_mlp(7);
+        optim::SGD o2(m2->parameters(), {.lr = 0.1, .momentum = 0.9});
+        if (rank != 1) train_steps(*m2, o2, 1);
+        try {
+          (void)gather_replicas({m2.get(), &o2, nullptr}, *group);
+          tandem::testing::fail("replicas of different structure were gathered");
+        } catch (const ValueError& e) {
+          if (std::string(e.what()).find("rank 1's model and optimizer state take") == std::string::npos)
+            tandem::testing::fail(e.what());
+        }
+      },
+      std::chrono::seconds(60), std::chrono::seconds(30));
+  // On disk: rank 0's files at the top, ranks 1 and 2 in their own directories.
+  EXPECT_TRUE(fs::exists(root + "/step_00000005/rank_1/optimizer.safetensors"));
+  EXPECT_TRUE(fs::exists(root + "/step_00000005/rank_2/model.safetensors"));
+  EXPECT_FALSE(fs::exists(root + "/step_00000005/rank_3"));
+  EXPECT_FALSE(fs::exists(root + "/step_00000005/rank_0"));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/core/safetensors.h"
+#include "tandem/dist/process_group.h"
 
 namespace tandem::train {
 namespace {
@@ -133,6 +134,18 @@ Replica replica_and_scaler(const CheckpointTarget& t, std::map<std::string, doub
   return r;
 }
 
+// Every tensor of a replica, in one fixed order (model, optimizer state by parameter then key,
+// masters): the same shapes and dtypes on every rank, which trained the same model with the same
+// optimizer.
+std::vector<Tensor*> replica_tensors(Replica& r) {
+  std::vector<Tensor*> out;
+  for (auto& [name, t] : r.model) out.push_back(&t);
+  for (auto& per_param : r.optimizer.state)
+    for (auto& [key, t] : per_param) out.push_back(&t);
+  for (Tensor& t : r.masters) out.push_back(&t);
+  return out;
+}
+
 // A replica's three files into `dir`.
 void write_replica(const std::string& dir, const Replica& r, const std::string& optimizer_name) {
   save_safetensors(dir + "/" + kModelFile, r.model);
@@ -161,6 +174,51 @@ Replica replica_of(const CheckpointTarget& target) {
 }
 
 std::string replica_name(int rank) { return fmt::format("rank_{}", rank); }
+
+std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::ProcessGroup& pg) {
+  Replica mine = replica_of(target);
+  const std::vector<Tensor*> parts = replica_tensors(mine);
+  int64_t bytes = 0;
+  for (const Tensor* t : parts) bytes += static_cast<int64_t>(t->nbytes());
+  Tensor packed = empty({bytes}, kUInt8);
+  auto* p = static_cast<uint8_t*>(packed.data_ptr());
+  for (const Tensor* t : parts) {
+    const Tensor c = t->contiguous();
+    std::memcpy(p, c.data_ptr(), c.nbytes());
+    p += c.nbytes();
+  }
+  const int world = pg.size();
+  // The same structure everywhere, or the bytes would be cut in the wrong places: compare sizes
+  // first (a parameter that got no gradient on one rank has no optimizer state there).
+  Tensor sizes = empty({world}, kInt64), mine_size = full({1}, static_cast<double>(bytes), kInt64);
+  pg.all_gather(dist::as_buffer(sizes), dist::as_buffer(mine_size))->wait();
+  for (int r = 0; r < world; ++r) {
+    const int64_t b = sizes.data_ptr<int64_t>()[r];
+    TANDEM_CHECK(b == sizes.data_ptr<int64_t>()[0], ValueError,
+                 "gather_replicas: rank {}'s model and optimizer state take {} bytes, "
+                 "rank 0's {}; their optimizer states differ in structure (a parameter that got no gradient on some rank "
+                 "has no state there)",
+                 r, b, sizes.data_ptr<int64_t>()[0]);
+  }
+  Tensor all = pg.rank() == 0 ? empty({bytes * world}, kUInt8) : empty({bytes}, kUInt8);
+  pg.gather(dist::as_buffer(all), dist::as_buffer(packed), 0)->wait();
+  std::vector<Replica> others;
+  if (pg.rank() != 0) return others;
+  const auto* src = static_cast<const uint8_t*>(all.data_ptr());
+  for (int r = 1; r < world; ++r) {
+    Replica copy = mine;  // the structure; every tensor is replaced below
+    const uint8_t* q = src + static_cast<size_t>(r) * static_cast<size_t>(bytes);
+    for (Tensor* t : replica_tensors(copy)) {
+      Tensor fresh = empty(t->shape(), t->dtype());
+      std::memcpy(fresh.data_ptr(), q, fresh.nbytes());
+      q += fresh.nbytes();
+      *t = fresh;
+    }
+    others.push_back(std::move(copy));
+  }
+  return others;
+}
+
 
 std::string checkpoint_name(int64_t step) { return fmt::format("{}{:08d}", kPrefix, step); }
 

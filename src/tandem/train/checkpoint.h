@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/amp/initialize.h"
+#include "tandem/dist/process_group.h"
 #include "tandem/nn/module.h"
 #include "tandem/optim/optimizer.h"
 
@@ -60,6 +61,14 @@ struct Replica {
 };
 // The live replica of `target` (tensors shared with the model; optimizer state and masters copied).
 Replica replica_of(const CheckpointTarget& target);
+
+// Every rank's replica on rank 0, for a checkpoint of ranks that trained apart: ranks 1..world-1
+// in order there, empty elsewhere. A collective every rank of `group` makes. Each rank sends its
+// replica as raw bytes in one fixed order (model, optimizer state by parameter then key, masters),
+// read back on rank 0 into tensors shaped like its own; ranks whose replicas differ in size are
+// refused (ValueError naming the rank and both sizes, on every rank): their optimizer states
+// differ in structure.
+std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::ProcessGroup& group);
 
 // "step_00000012".
 std::string checkpoint_name(int64_t step);

@@ -307,53 +307,6 @@ void restore_powersgd(parallel::PowerSGDState& state, const CheckpointState& st,
 }
 
 
-// Every tensor of a replica, in one fixed order (model, optimizer state by parameter then key,
-// masters): the same shapes and dtypes on every rank, which trained the same model with the same
-// optimizer.
-std::vector<Tensor*> replica_tensors(Replica& r) {
-  std::vector<Tensor*> out;
-  for (auto& [name, t] : r.model) out.push_back(&t);
-  for (auto& per_param : r.optimizer.state)
-    for (auto& [key, t] : per_param) out.push_back(&t);
-  for (Tensor& t : r.masters) out.push_back(&t);
-  return out;
-}
-
-// The replicas of ranks 1..world-1 on rank 0 (empty elsewhere), for a checkpoint of ranks that
-// trained apart (post-local SGD): each rank's replica as raw bytes, gathered to rank 0 (a
-// collective every rank makes), and read back there into copies shaped like rank 0's own.
-std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::ProcessGroup& pg) {
-  Replica mine = replica_of(target);
-  const std::vector<Tensor*> parts = replica_tensors(mine);
-  int64_t bytes = 0;
-  for (const Tensor* t : parts) bytes += static_cast<int64_t>(t->nbytes());
-  Tensor packed = empty({bytes}, kUInt8);
-  auto* p = static_cast<uint8_t*>(packed.data_ptr());
-  for (const Tensor* t : parts) {
-    const Tensor c = t->contiguous();
-    std::memcpy(p, c.data_ptr(), c.nbytes());
-    p += c.nbytes();
-  }
-  const int world = pg.size();
-  Tensor all = pg.rank() == 0 ? empty({bytes * world}, kUInt8) : empty({bytes}, kUInt8);
-  pg.gather(dist::as_buffer(all), dist::as_buffer(packed), 0)->wait();
-  std::vector<Replica> others;
-  if (pg.rank() != 0) return others;
-  const auto* src = static_cast<const uint8_t*>(all.data_ptr());
-  for (int r = 1; r < world; ++r) {
-    Replica copy = mine;  // the structure; every tensor is replaced below
-    const uint8_t* q = src + static_cast<size_t>(r) * static_cast<size_t>(bytes);
-    for (Tensor* t : replica_tensors(copy)) {
-      Tensor fresh = empty(t->shape(), t->dtype());
-      std::memcpy(fresh.data_ptr(), q, fresh.nbytes());
-      q += fresh.nbytes();
-      *t = fresh;
-    }
-    others.push_back(std::move(copy));
-  }
-  return others;
-}
-
 // torch's new_subgroups(size): consecutive groups of `size` ranks; every rank makes every group
 // (c10d's rule) and keeps its own. nullptr when one group would be the whole world (DDP's group).
 std::shared_ptr<dist::ProcessGroup> local_sgd_subgroup(int64_t size, int world, int rank) {
