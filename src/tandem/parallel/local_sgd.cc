@@ -78,4 +78,26 @@ void PeriodicModelAverager::set_step(int64_t step) {
   step_ = step;
 }
 
+PostLocalSGDOptimizer::PostLocalSGDOptimizer(optim::Optimizer& optim, std::shared_ptr<PeriodicModelAverager> averager)
+    : optim_(optim), averager_(std::move(averager)) {
+  TANDEM_CHECK(averager_ != nullptr, ValueError, "PostLocalSGDOptimizer: the averager is null");
+}
+
+bool PostLocalSGDOptimizer::step() {
+  optim_.step();
+  std::vector<Tensor> params;
+  for (const auto& g : optim_.param_groups()) params.insert(params.end(), g.params.begin(), g.params.end());
+  return averager_->average_parameters(params);
+}
+
+PostLocalSGDOptimizer::State PostLocalSGDOptimizer::state_dict() const {
+  return {optim_.state_dict(), averager_->step()};
+}
+
+void PostLocalSGDOptimizer::load_state_dict(const State& state) {
+  TANDEM_CHECK(state.step >= 0, ValueError, "PostLocalSGDOptimizer: the saved step is {}, expected >= 0", state.step);
+  optim_.load_state_dict(state.optimizer);
+  averager_->set_step(state.step);
+}
+
 }  // namespace tandem::parallel

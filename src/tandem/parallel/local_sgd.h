@@ -26,6 +26,7 @@
 
 #include "tandem/core/tensor.h"
 #include "tandem/dist/process_group.h"
+#include "tandem/optim/optimizer.h"
 #include "tandem/parallel/reducer.h"
 
 namespace tandem::parallel {
@@ -91,6 +92,35 @@ class PeriodicModelAverager {
     Tensor tensor;                 // a 1-d view of it
   };
   std::map<DType, Flat> flats_;
+};
+
+// torch.distributed.optim.PostLocalSGDOptimizer: the wrapped optimizer's step, then the
+// averager on every parameter of its groups (skip step() on a step GradScaler skips, as torch's
+// scaler.step does). With amp O2 the optimizer holds the f32 masters, which this averages; round
+// them into the model with amp.copy_masters_to_model() whenever step() returns true.
+//
+//   PostLocalSGDOptimizer opt(sgd, std::make_shared<PeriodicModelAverager>(4, 100));
+//   ... loss.backward(); opt.step();
+class PostLocalSGDOptimizer {
+ public:
+  // Throws ValueError for a null averager. `optim` must outlive this.
+  PostLocalSGDOptimizer(optim::Optimizer& optim, std::shared_ptr<PeriodicModelAverager> averager);
+  // optim.step(), then averager.average_parameters(its parameters). Returns whether it averaged.
+  bool step();
+  void zero_grad(bool set_to_none = true) { optim_.zero_grad(set_to_none); }
+  // torch's state_dict: the wrapped optimizer's, plus "step", the averager's count.
+  struct State {
+    optim::OptimizerState optimizer;
+    int64_t step = 0;
+  };
+  State state_dict() const;
+  void load_state_dict(const State& state);
+  optim::Optimizer& optimizer() { return optim_; }
+  PeriodicModelAverager& averager() { return *averager_; }
+
+ private:
+  optim::Optimizer& optim_;
+  std::shared_ptr<PeriodicModelAverager> averager_;
 };
 
 }  // namespace tandem::parallel
