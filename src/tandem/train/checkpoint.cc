@@ -195,9 +195,8 @@ std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::Proce
   for (int r = 0; r < world; ++r) {
     const int64_t b = sizes.data_ptr<int64_t>()[r];
     TANDEM_CHECK(b == sizes.data_ptr<int64_t>()[0], ValueError,
-                 "gather_replicas: rank {}'s model and optimizer state take {} bytes, "
-                 "rank 0's {}; their optimizer states differ in structure (a parameter that got no gradient on some rank "
-                 "has no state there)",
+                 "gather_replicas: rank {}'s model and optimizer state take {} bytes, rank 0's {}; their optimizer "
+                 "states differ in structure (a parameter that got no gradient on some rank has no state there)",
                  r, b, sizes.data_ptr<int64_t>()[0]);
   }
   Tensor all = pg.rank() == 0 ? empty({bytes * world}, kUInt8) : empty({bytes}, kUInt8);
@@ -218,7 +217,6 @@ std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::Proce
   }
   return others;
 }
-
 
 std::string checkpoint_name(int64_t step) { return fmt::format("{}{:08d}", kPrefix, step); }
 

@@ -8,7 +8,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <limits>
@@ -305,7 +304,6 @@ void restore_powersgd(parallel::PowerSGDState& state, const CheckpointState& st,
   }
   state.load_state_dict(d);
 }
-
 
 // torch's new_subgroups(size): consecutive groups of `size` ranks; every rank makes every group
 // (c10d's rule) and keeps its own. nullptr when one group would be the whole world (DDP's group).
