@@ -20,6 +20,7 @@
 
 #include "tandem/core/safetensors.h"
 #include "tandem/data/vision.h"
+#include "tandem/dist/backends.h"
 #include "tandem/train/checkpoint.h"
 #include "util/test_util.h"
 
@@ -429,6 +430,13 @@ TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
       << out;
   EXPECT_NE(out.find("(each rank's own gradients;"), std::string::npos) << out;
   expect_same_checkpoint(dir.path() + "/straight/checkpoints/step_00000008", ones + "/checkpoints/step_00000008");
+
+  // Over gloo (which has no gather) too.
+  if (dist::backend_available("gloo")) {
+    const std::string gloo = dir.path() + "/gloo";
+    ASSERT_EQ(run(launch + pl + " --set dist.backend=gloo --out " + gloo, &out), 0) << out;
+    EXPECT_TRUE(fs::exists(gloo + "/checkpoints/step_00000008/rank_1/optimizer.safetensors"));
+  }
 
   // Four processes in groups of two that average their gradients: 0 = 1, 2 = 3, 0 != 2.
   const std::string four = dir.path() + "/four";

@@ -199,8 +199,9 @@ std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::Proce
                  "states differ in structure (a parameter that got no gradient on some rank has no state there)",
                  r, b, sizes.data_ptr<int64_t>()[0]);
   }
-  Tensor all = pg.rank() == 0 ? empty({bytes * world}, kUInt8) : empty({bytes}, kUInt8);
-  pg.gather(dist::as_buffer(all), dist::as_buffer(packed), 0)->wait();
+  // all_gather (every backend has it; gloo has no gather): each rank briefly holds all replicas.
+  Tensor all = empty({bytes * world}, kUInt8);
+  pg.all_gather(dist::as_buffer(all), dist::as_buffer(packed))->wait();
   std::vector<Replica> others;
   if (pg.rank() != 0) return others;
   const auto* src = static_cast<const uint8_t*>(all.data_ptr());

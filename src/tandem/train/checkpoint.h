@@ -64,8 +64,9 @@ Replica replica_of(const CheckpointTarget& target);
 
 // Every rank's replica on rank 0, for a checkpoint of ranks that trained apart: ranks 1..world-1
 // in order there, empty elsewhere. A collective every rank of `group` makes. Each rank sends its
-// replica as raw bytes in one fixed order (model, optimizer state by parameter then key, masters),
-// read back on rank 0 into tensors shaped like its own; ranks whose replicas differ in size are
+// replica as raw bytes in one fixed order (model, optimizer state by parameter then key, masters)
+// through an all_gather (so every rank briefly holds world x its replica's bytes), read back on
+// rank 0 into tensors shaped like its own; ranks whose replicas differ in size are
 // refused (ValueError naming the rank and both sizes, on every rank): their optimizer states
 // differ in structure.
 std::vector<Replica> gather_replicas(const CheckpointTarget& target, dist::ProcessGroup& group);
