@@ -29,6 +29,6 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 if [ $# -eq 0 ]; then
-  set -- -R '^((DDP|DDPSemantics|DDPJoin|DDPPowerSGD|PostLocalSGD|PostLocalSGDOptimizer|PeriodicModelAverager|SyncBatchNorm|Shm[A-Za-z]*|Work|InitProcessGroup|PrefixStore|TCPStore|Spawn|DataLoader)\.|Checkpoint\.Gathered)'
+  set -- -R '^((DDP|DDPSemantics|DDPJoin|DDPPowerSGD|PostLocalSGD|PostLocalSGDOptimizer|PeriodicModelAverager|HierarchicalModelAverager|SyncBatchNorm|Shm[A-Za-z]*|Work|InitProcessGroup|PrefixStore|TCPStore|Spawn|DataLoader)\.|Checkpoint\.Gathered)'
 fi
 ctest --test-dir "$dir" --output-on-failure "$@"

@@ -26,6 +26,7 @@ namespace td = tandem;
 using td::Tensor;
 using td::dist::ProcessGroup;
 using td::parallel::DistributedDataParallel;
+using td::parallel::HierarchicalModelAverager;
 using td::parallel::PeriodicModelAverager;
 using td::parallel::PostLocalSGDOptimizer;
 using td::parallel::PostLocalSGDOptions;
@@ -159,6 +160,66 @@ TEST(PeriodicModelAverager, RestoredStepContinuesTheSchedule) {
     PostLocalSGDState state(PostLocalSGDOptions{.start_localSGD_iter = 5});
     state.set_iter(3);
     if (state.iter() != 3) fail("set_iter");
+  });
+}
+
+// torch's HierarchicalModelAverager on 4 ranks with {(2, 2), (4, 4)} and warmup 1: no averaging at
+// call 0 (warm-up), pairs {0,1} {2,3} at calls 2 and 6, everyone at calls 4 and 8 (the longest
+// period that divides the call wins), nothing in between; each average is the mean of the group's
+// values (f32 rounding). A restored step continues the schedule. Bad hierarchies are refused.
+TEST(HierarchicalModelAverager, AveragesInPairsThenEveryoneByPeriod) {
+  on_ranks(4, [](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    HierarchicalModelAverager averager({{2, 2}, {4, 4}}, /*warmup_steps=*/1);
+    Tensor p = td::zeros({6}, td::kFloat32);
+    // All four ranks' values, for the expected means.
+    auto gathered = [&](const Tensor& t) {
+      Tensor all = td::empty({4 * 6}, td::kFloat32);
+      group->all_gather(td::dist::as_buffer(all), td::dist::as_buffer(t.contiguous()))->wait();
+      return all;
+    };
+    const std::vector<int64_t> want = {0, 0, 2, 0, 4, 0, 2, 0, 4};
+    for (int call = 0; call < 9; ++call) {
+      {
+        td::NoGradGuard no_grad;
+        td::Generator gen(static_cast<uint64_t>(100 * call + rank));
+        p.add_(td::randn({6}, td::kFloat32, &gen));
+      }
+      const Tensor before = gathered(p);
+      const Tensor mine = p.clone();
+      const int64_t size = averager.average_parameters({p});
+      if (size != want[static_cast<size_t>(call)])
+        fail(fmt::format("call {}: averaged in groups of {}, want {}", call, size, want[static_cast<size_t>(call)]));
+      if (size == 0) {
+        if (!bitwise_equal(p, mine)) fail(fmt::format("call {} changed the parameters", call));
+        continue;
+      }
+      const int first = rank / static_cast<int>(size) * static_cast<int>(size);
+      Tensor mean = td::zeros({6}, td::kFloat64);
+      for (int r = first; r < first + size; ++r) mean = td::ops::add(mean, before.narrow(0, 6 * r, 6).to(td::kFloat64));
+      mean = td::ops::mul(mean, 1.0 / static_cast<double>(size));
+      const double d = rel_diff(p, mean);
+      if (!(d <= 1e-6)) fail(fmt::format("call {}: not the mean of ranks {}..{} (rel {:.3g})", call, first, first + size - 1, d));
+      const Tensor after = gathered(p);
+      const bool pair_equal = bitwise_equal(after.narrow(0, 0, 6), after.narrow(0, 6, 6));
+      const bool across = bitwise_equal(after.narrow(0, 0, 6), after.narrow(0, 12, 6));
+      if (!pair_equal || across != (size == 4)) fail(fmt::format("call {}: wrong ranks equal after averaging", call));
+    }
+    averager.set_step(3);
+    if (averager.average_parameters({p}) != 0 || averager.average_parameters({p}) != 4) fail("set_step(3)");
+
+    for (const auto& [levels, msg] : std::vector<std::pair<std::vector<std::pair<int64_t, int64_t>>, std::string>>{
+             {{}, "period_group_sizes is empty"},
+             {{{4, 2}, {2, 4}}, "periods must be >= 1 and increasing, got 2 after 4"},
+             {{{2, 3}, {4, 4}}, "group size 3 (period 2) does not divide the 4 ranks"},
+             {{{2, 2}}, "the longest period (2) must average over all 4 ranks, not groups of 2"}}) {
+      try {
+        HierarchicalModelAverager bad(levels);
+        fail("accepted: " + msg);
+      } catch (const td::ValueError& e) {
+        if (std::string(e.what()).find(msg) == std::string::npos) fail(e.what());
+      }
+    }
   });
 }
 

@@ -43,10 +43,7 @@ PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_step
   TANDEM_CHECK(warmup_steps_ >= 0, ValueError, "PeriodicModelAverager: warmup_steps must be >= 0, got {}", warmup_steps_);
 }
 
-bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params) {
-  const int64_t s = step_++;
-  if (s < warmup_steps_ || (s - warmup_steps_) % period_ != 0) return false;
-  dist::ProcessGroup& group = group_ ? *group_ : *dist::default_group();
+void GroupAverage::operator()(const std::vector<Tensor>& params, dist::ProcessGroup& group) {
   NoGradGuard no_grad;
   std::map<DType, std::vector<const Tensor*>> by_dtype;
   for (const Tensor& p : params) by_dtype[p.dtype()].push_back(&p);
@@ -70,6 +67,12 @@ bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params
       off += p->numel();
     }
   }
+}
+
+bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params) {
+  const int64_t s = step_++;
+  if (s < warmup_steps_ || (s - warmup_steps_) % period_ != 0) return false;
+  average_(params, group_ ? *group_ : *dist::default_group());
   return true;
 }
 
@@ -98,6 +101,61 @@ void PostLocalSGDOptimizer::load_state_dict(const State& state) {
   TANDEM_CHECK(state.step >= 0, ValueError, "PostLocalSGDOptimizer: the saved step is {}, expected >= 0", state.step);
   optim_.load_state_dict(state.optimizer);
   averager_->set_step(state.step);
+}
+
+HierarchicalModelAverager::HierarchicalModelAverager(std::vector<std::pair<int64_t, int64_t>> period_group_sizes,
+                                                     int64_t warmup_steps)
+    : warmup_steps_(warmup_steps) {
+  TANDEM_CHECK(!period_group_sizes.empty(), ValueError,
+               "HierarchicalModelAverager: period_group_sizes is empty; give (period, group size) pairs");
+  TANDEM_CHECK(warmup_steps_ >= 0, ValueError, "HierarchicalModelAverager: warmup_steps must be >= 0, got {}", warmup_steps_);
+  const std::shared_ptr<dist::ProcessGroup> world_group = dist::default_group();
+  const int world = world_group->size(), rank = world_group->rank();
+  for (size_t i = 0; i < period_group_sizes.size(); ++i) {
+    const auto [period, size] = period_group_sizes[i];
+    TANDEM_CHECK(period >= 1 && (i == 0 || period > period_group_sizes[i - 1].first), ValueError,
+                 "HierarchicalModelAverager: periods must be >= 1 and increasing, got {} after {}", period,
+                 i == 0 ? 0 : period_group_sizes[i - 1].first);
+    TANDEM_CHECK(size >= 1 && size <= world && world % size == 0, ValueError,
+                 "HierarchicalModelAverager: group size {} (period {}) does not divide the {} ranks into equal groups",
+                 size, period, world);
+  }
+  TANDEM_CHECK(period_group_sizes.back().second == world, ValueError,
+               "HierarchicalModelAverager: the longest period ({}) must average over all {} ranks, not groups of {} "
+               "(torch's rule)",
+               period_group_sizes.back().first, world, period_group_sizes.back().second);
+  for (const auto& [period, size] : period_group_sizes) {
+    Level level{period, size, nullptr, {}};
+    if (size == world) {
+      level.group = world_group;
+    } else {
+      // torch's new_subgroups(size): consecutive ranks; every rank makes every group.
+      for (int first = 0; first < world; first += static_cast<int>(size)) {
+        std::vector<int> ranks(static_cast<size_t>(size));
+        for (int j = 0; j < size; ++j) ranks[static_cast<size_t>(j)] = first + j;
+        std::shared_ptr<dist::ProcessGroup> g = dist::new_group(ranks);
+        if (rank >= first && rank < first + size) level.group = g;
+      }
+    }
+    levels_.push_back(std::move(level));
+  }
+}
+
+int64_t HierarchicalModelAverager::average_parameters(const std::vector<Tensor>& params) {
+  const int64_t s = step_++;
+  if (s < warmup_steps_) return 0;
+  // The longest period that divides the step wins (torch counts from 0, warm-up included).
+  for (auto it = levels_.rbegin(); it != levels_.rend(); ++it) {
+    if (s % it->period != 0) continue;
+    if (it->size > 1) it->average(params, *it->group);
+    return it->size;
+  }
+  return 0;
+}
+
+void HierarchicalModelAverager::set_step(int64_t step) {
+  TANDEM_CHECK(step >= 0, ValueError, "HierarchicalModelAverager: step must be >= 0, got {}", step);
+  step_ = step;
 }
 
 }  // namespace tandem::parallel

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "tandem/core/tensor.h"
@@ -61,13 +62,25 @@ class PostLocalSGDState {
 
 CommHook post_localSGD_hook(std::shared_ptr<PostLocalSGDState> state);
 
+// The parameters' average over a group, in place: gathered into one flat buffer per dtype that
+// this keeps, allocated through the group (shm reduces it in place), so an averaging moves each
+// value twice (in, out) plus the all-reduce. The averagers' mechanism.
+class GroupAverage {
+ public:
+  void operator()(const std::vector<Tensor>& params, dist::ProcessGroup& group);
+
+ private:
+  struct Flat {
+    std::shared_ptr<void> memory;  // from the group's allocate()
+    Tensor tensor;                 // a 1-d view of it
+  };
+  std::map<DType, Flat> flats_;
+};
+
 // Averages parameters over `group` (nullptr: the default group) at the calls of
 // average_parameters numbered warmup_steps, warmup_steps + period, warmup_steps + 2 period, ...
 // (counting from 0; torch's rule), one all-reduce per dtype; every other call only counts.
 // Every rank must make the same calls with the same parameters (a collective when it averages).
-// The parameters are gathered into one flat buffer per dtype that the averager keeps, allocated
-// through the group (shm reduces it in place), so an averaging moves each value twice (in, out)
-// plus the all-reduce.
 class PeriodicModelAverager {
  public:
   // Throws ValueError for period < 1 or warmup_steps < 0.
@@ -87,11 +100,36 @@ class PeriodicModelAverager {
   int64_t period_, warmup_steps_;
   std::shared_ptr<dist::ProcessGroup> group_;
   int64_t step_ = 0;
-  struct Flat {
-    std::shared_ptr<void> memory;  // from the group's allocate()
-    Tensor tensor;                 // a 1-d view of it
+  GroupAverage average_;
+};
+
+// torch's HierarchicalModelAverager: several periods, each averaging within groups of its size
+// (consecutive ranks of the default group, torch's new_subgroups), e.g. {{2, 4}, {8, 16}} on 16
+// ranks averages within groups of 4 every 2 steps and over all 16 every 8. At call s (counting
+// from 0) >= warmup_steps, the longest period that divides s averages; no period, no averaging.
+// Periods increase and the last group is all ranks (torch's rules). Cheap averages often within a
+// host, costly ones rarely across hosts. Every rank of the default group must construct it (it
+// makes the subgroups) and make the same calls.
+class HierarchicalModelAverager {
+ public:
+  // Throws ValueError naming the entry for an empty list, periods not increasing, a group size
+  // that does not divide the world, or a last group smaller than the world.
+  explicit HierarchicalModelAverager(std::vector<std::pair<int64_t, int64_t>> period_group_sizes,
+                                     int64_t warmup_steps = 0);
+  // Call once after every optimizer step. Returns the size of the groups it averaged in (0: none).
+  int64_t average_parameters(const std::vector<Tensor>& params);
+  int64_t step() const { return step_; }
+  void set_step(int64_t step);  // as PeriodicModelAverager::set_step
+
+ private:
+  struct Level {
+    int64_t period, size;
+    std::shared_ptr<dist::ProcessGroup> group;  // this rank's group of `size`
+    GroupAverage average;
   };
-  std::map<DType, Flat> flats_;
+  std::vector<Level> levels_;
+  int64_t warmup_steps_;
+  int64_t step_ = 0;
 };
 
 // torch.distributed.optim.PostLocalSGDOptimizer: the wrapped optimizer's step, then the
