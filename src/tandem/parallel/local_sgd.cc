@@ -76,12 +76,12 @@ bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params
   return true;
 }
 
-void PeriodicModelAverager::set_step(int64_t step) {
-  TANDEM_CHECK(step >= 0, ValueError, "PeriodicModelAverager: step must be >= 0, got {}", step);
+void ModelAverager::set_step(int64_t step) {
+  TANDEM_CHECK(step >= 0, ValueError, "ModelAverager: step must be >= 0, got {}", step);
   step_ = step;
 }
 
-PostLocalSGDOptimizer::PostLocalSGDOptimizer(optim::Optimizer& optim, std::shared_ptr<PeriodicModelAverager> averager)
+PostLocalSGDOptimizer::PostLocalSGDOptimizer(optim::Optimizer& optim, std::shared_ptr<ModelAverager> averager)
     : optim_(optim), averager_(std::move(averager)) {
   TANDEM_CHECK(averager_ != nullptr, ValueError, "PostLocalSGDOptimizer: the averager is null");
 }
@@ -141,21 +141,19 @@ HierarchicalModelAverager::HierarchicalModelAverager(std::vector<std::pair<int64
   }
 }
 
-int64_t HierarchicalModelAverager::average_parameters(const std::vector<Tensor>& params) {
+bool HierarchicalModelAverager::average_parameters(const std::vector<Tensor>& params) {
   const int64_t s = step_++;
-  if (s < warmup_steps_) return 0;
+  last_size_ = 0;
+  if (s < warmup_steps_) return false;
   // The longest period that divides the step wins (torch counts from 0, warm-up included).
   for (auto it = levels_.rbegin(); it != levels_.rend(); ++it) {
     if (s % it->period != 0) continue;
     if (it->size > 1) it->average(params, *it->group);
-    return it->size;
+    last_size_ = it->size;
+    return true;
   }
-  return 0;
+  return false;
 }
 
-void HierarchicalModelAverager::set_step(int64_t step) {
-  TANDEM_CHECK(step >= 0, ValueError, "HierarchicalModelAverager: step must be >= 0, got {}", step);
-  step_ = step;
-}
 
 }  // namespace tandem::parallel

@@ -77,29 +77,39 @@ class GroupAverage {
   std::map<DType, Flat> flats_;
 };
 
-// Averages parameters over `group` (nullptr: the default group) at the calls of
-// average_parameters numbered warmup_steps, warmup_steps + period, warmup_steps + 2 period, ...
-// (counting from 0; torch's rule), one all-reduce per dtype; every other call only counts.
-// Every rank must make the same calls with the same parameters (a collective when it averages).
-class PeriodicModelAverager {
+// torch's averagers.ModelAverager: average_parameters after every optimizer step, counting the
+// calls (`step`).
+class ModelAverager {
  public:
-  // Throws ValueError for period < 1 or warmup_steps < 0.
-  explicit PeriodicModelAverager(int64_t period, int64_t warmup_steps = 0,
-                                 std::shared_ptr<dist::ProcessGroup> group = nullptr);
+  virtual ~ModelAverager() = default;
   // Call once after every optimizer step. Returns whether this call averaged.
-  bool average_parameters(const std::vector<Tensor>& params);
+  virtual bool average_parameters(const std::vector<Tensor>& params) = 0;
   // Calls so far (torch's averager.step).
   int64_t step() const { return step_; }
   // Restores the count of a saved run (what torch's PostLocalSGDOptimizer.load_state_dict does
   // with its "step"), so averaging resumes on the same calls. Throws ValueError if negative.
   void set_step(int64_t step);
+
+ protected:
+  int64_t step_ = 0;
+};
+
+// Averages parameters over `group` (nullptr: the default group) at the calls of
+// average_parameters numbered warmup_steps, warmup_steps + period, warmup_steps + 2 period, ...
+// (counting from 0; torch's rule), one all-reduce per dtype; every other call only counts.
+// Every rank must make the same calls with the same parameters (a collective when it averages).
+class PeriodicModelAverager : public ModelAverager {
+ public:
+  // Throws ValueError for period < 1 or warmup_steps < 0.
+  explicit PeriodicModelAverager(int64_t period, int64_t warmup_steps = 0,
+                                 std::shared_ptr<dist::ProcessGroup> group = nullptr);
+  bool average_parameters(const std::vector<Tensor>& params) override;
   int64_t period() const { return period_; }
   int64_t warmup_steps() const { return warmup_steps_; }
 
  private:
   int64_t period_, warmup_steps_;
   std::shared_ptr<dist::ProcessGroup> group_;
-  int64_t step_ = 0;
   GroupAverage average_;
 };
 
@@ -110,16 +120,15 @@ class PeriodicModelAverager {
 // Periods increase and the last group is all ranks (torch's rules). Cheap averages often within a
 // host, costly ones rarely across hosts. Every rank of the default group must construct it (it
 // makes the subgroups) and make the same calls.
-class HierarchicalModelAverager {
+class HierarchicalModelAverager : public ModelAverager {
  public:
   // Throws ValueError naming the entry for an empty list, periods not increasing, a group size
   // that does not divide the world, or a last group smaller than the world.
   explicit HierarchicalModelAverager(std::vector<std::pair<int64_t, int64_t>> period_group_sizes,
                                      int64_t warmup_steps = 0);
-  // Call once after every optimizer step. Returns the size of the groups it averaged in (0: none).
-  int64_t average_parameters(const std::vector<Tensor>& params);
-  int64_t step() const { return step_; }
-  void set_step(int64_t step);  // as PeriodicModelAverager::set_step
+  bool average_parameters(const std::vector<Tensor>& params) override;
+  // The size of the groups the last call averaged in (0: it did not average).
+  int64_t last_group_size() const { return last_size_; }
 
  private:
   struct Level {
@@ -129,7 +138,7 @@ class HierarchicalModelAverager {
   };
   std::vector<Level> levels_;
   int64_t warmup_steps_;
-  int64_t step_ = 0;
+  int64_t last_size_ = 0;
 };
 
 // torch.distributed.optim.PostLocalSGDOptimizer: the wrapped optimizer's step, then the
@@ -142,7 +151,7 @@ class HierarchicalModelAverager {
 class PostLocalSGDOptimizer {
  public:
   // Throws ValueError for a null averager. `optim` must outlive this.
-  PostLocalSGDOptimizer(optim::Optimizer& optim, std::shared_ptr<PeriodicModelAverager> averager);
+  PostLocalSGDOptimizer(optim::Optimizer& optim, std::shared_ptr<ModelAverager> averager);
   // optim.step(), then averager.average_parameters(its parameters). Returns whether it averaged.
   bool step();
   void zero_grad(bool set_to_none = true) { optim_.zero_grad(set_to_none); }
@@ -154,11 +163,11 @@ class PostLocalSGDOptimizer {
   State state_dict() const;
   void load_state_dict(const State& state);
   optim::Optimizer& optimizer() { return optim_; }
-  PeriodicModelAverager& averager() { return *averager_; }
+  ModelAverager& averager() { return *averager_; }
 
  private:
   optim::Optimizer& optim_;
-  std::shared_ptr<PeriodicModelAverager> averager_;
+  std::shared_ptr<ModelAverager> averager_;
 };
 
 }  // namespace tandem::parallel
