@@ -29,7 +29,7 @@ constexpr const char* kUsage =
     "MLP on Fashion-MNIST for one epoch (SGD momentum 0.9, lr 0.05 decaying linearly to 0, batch 128;\n"
     "`--print-config` shows it all). Under `tandem run --nproc-per-node N` each process trains its\n"
     "share with DDP; the ddp section sets its options (bucket_cap_mb, find_unused_parameters,\n"
-    "static_graph, comm_hook no|fp16|bf16|power_sgd|post_local_sgd, model_averaging.period,\n"
+    "static_graph, comm_hook no|fp16|bf16|power_sgd|post_local_sgd, model_averaging.period|hierarchy,\n"
     "sync_batchnorm, deterministic, ...).\n"
     "\n"
     "  --config FILE     the JSON config (configs/ has W1-W3 in fp32, bf16 and fp16)\n"

@@ -372,7 +372,8 @@ bool same_tensors(const std::string& a, const std::string& b) {
 // the uninterrupted one bitwise, replicas included, in bf16 autocast and with amp O2 (whose f32
 // masters are what is averaged). The losses follow plain DDP through step 3 and part after it.
 // Subgroups of one are the same run; with groups of 2 among 4 processes (gradients averaged
-// within a group) ranks 0 and 1 stay equal and ranks 0 and 2 do not. Resuming on another process count, or without rank 1's files,
+// within a group) ranks 0 and 1 stay equal and ranks 0 and 2 do not; a hierarchy of averagings
+// (HierarchicalModelAverager) resumes bitwise too. Resuming on another process count, or without rank 1's files,
 // is refused with the reason.
 TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
   tandem::testing::TempDir dir;
@@ -452,6 +453,36 @@ TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
   EXPECT_TRUE(same_tensors(f4 + "/model.safetensors", f4 + "/rank_1/model.safetensors"));
   EXPECT_TRUE(same_tensors(f4 + "/rank_2/model.safetensors", f4 + "/rank_3/model.safetensors"));
   EXPECT_FALSE(same_tensors(f4 + "/model.safetensors", f4 + "/rank_2/model.safetensors"));
+
+  // HierarchicalModelAverager (pairs every 2 steps, all 4 every 4; calls counted from 0, the
+  // first one warm-up): pairs equal after step 3, everyone after step 5, and a run stopped at
+  // step 4 (pairs apart) resumes to the uninterrupted run's bits on every rank.
+  const std::string hier_launch = kCli + " run --nproc-per-node 4 " + kCli + " train --config " + cfg +
+                                  " --set ddp.comm_hook=post_local_sgd --set ddp.comm_state_option.start_localSGD_iter=1"
+                                  " --set ddp.comm_state_option.post_local_gradient_allreduce=false"
+                                  " --set ddp.model_averaging.hierarchy=[[2,2],[4,4]] --set ddp.model_averaging.warmup_steps=1"
+                                  " --set train.steps=6 --set train.checkpoint_every=1 --set train.keep_last=6";
+  const std::string hs = dir.path() + "/hier_straight", hb = dir.path() + "/hier_stopped";
+  ASSERT_EQ(run(hier_launch + " --out " + hs, &out), 0) << out;
+  EXPECT_NE(out.find("parameters averaged every 2 steps in groups of 2, every 4 steps over all ranks from step 1"),
+            std::string::npos)
+      << out;
+  const std::string h3 = hs + "/checkpoints/step_00000003", h4 = hs + "/checkpoints/step_00000004",
+                    h5 = hs + "/checkpoints/step_00000005";
+  EXPECT_TRUE(same_tensors(h3 + "/model.safetensors", h3 + "/rank_1/model.safetensors"));
+  EXPECT_TRUE(same_tensors(h3 + "/rank_2/model.safetensors", h3 + "/rank_3/model.safetensors"));
+  EXPECT_FALSE(same_tensors(h3 + "/model.safetensors", h3 + "/rank_2/model.safetensors"));
+  EXPECT_FALSE(same_tensors(h4 + "/model.safetensors", h4 + "/rank_1/model.safetensors"));
+  for (const char* r : {"/rank_1", "/rank_2", "/rank_3"})
+    EXPECT_TRUE(same_tensors(h5 + "/model.safetensors", h5 + r + "/model.safetensors")) << r;
+  ASSERT_EQ(run(hier_launch + " --out " + hb + " --stop-after 4", &out), 0) << out;
+  ASSERT_EQ(run(hier_launch + " --out " + hb + " --resume auto", &out), 0) << out;
+  for (const char* r : {"", "/rank_1", "/rank_2", "/rank_3"}) {
+    for (const char* f : {"/model.safetensors", "/optimizer.safetensors"}) {
+      EXPECT_TRUE(same_tensors(hs + "/checkpoints/step_00000006" + r + f, hb + "/checkpoints/step_00000006" + r + f))
+          << r << f;
+    }
+  }
 
   // Another process count is refused before anything is loaded; so is a checkpoint without
   // rank 1's replica. The checkpoints stay.

@@ -373,7 +373,8 @@ TEST(Config, PostLocalSgd) {
             std::string::npos);
   j["ddp"]["comm_state_option"]["subgroup_size"] = 2;
   j["ddp"]["model_averaging"].erase("period");
-  EXPECT_NE(error_of([&] { parse_config(j, 4); }).find("needs \"ddp.model_averaging.period\""), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_config(j, 4); }).find("needs one of \"ddp.model_averaging.period\""), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_config(j, 4); }).find("got neither"), std::string::npos);
   j["ddp"]["model_averaging"]["period"] = 0;
   EXPECT_NE(error_of([&] { parse_config(j, 4); }).find("ddp.model_averaging.period"), std::string::npos);
   j["ddp"]["model_averaging"]["period"] = 4;
@@ -388,6 +389,27 @@ TEST(Config, PostLocalSgd) {
             std::string::npos);
   j["communication_data_type"] = "fp32";
   EXPECT_EQ(parse_config(j, 4).ddp.comm_hook, "post_local_sgd");
+  // HierarchicalModelAverager's levels instead of a period.
+  json h = base();
+  h["ddp"] = {{"comm_hook", "post_local_sgd"}, {"model_averaging", {{"hierarchy", {{2, 2}, {8, 4}}}}}};
+  c = parse_config(h, 4);
+  EXPECT_EQ(c.ddp.averaging_hierarchy, (std::vector<std::pair<int64_t, int64_t>>{{2, 2}, {8, 4}}));
+  EXPECT_EQ(c.ddp.averaging_period, 0);
+  h["ddp"]["model_averaging"]["period"] = 4;
+  EXPECT_NE(error_of([&] { parse_config(h, 4); }).find("needs one of \"ddp.model_averaging.period\""), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_config(h, 4); }).find("not both"), std::string::npos);
+  h["ddp"]["model_averaging"].erase("period");
+  h["ddp"]["model_averaging"]["hierarchy"] = {{8, 2}, {2, 4}};
+  EXPECT_NE(error_of([&] { parse_config(h, 4); }).find("[[8,2],[2,4]]: the periods must increase"), std::string::npos);
+  h["ddp"]["model_averaging"]["hierarchy"] = {{2, 3}, {8, 4}};
+  EXPECT_NE(error_of([&] { parse_config(h, 4); }).find("group size 3 does not divide the 4 processes"), std::string::npos);
+  h["ddp"]["model_averaging"]["hierarchy"] = {{2, 2}};
+  EXPECT_NE(error_of([&] { parse_config(h, 4); }).find("must average over all 4 processes (torch's rule); end it with [period, 4]"),
+            std::string::npos);
+  h["ddp"]["model_averaging"]["hierarchy"] = {{2, 0}};
+  EXPECT_NE(error_of([&] { parse_config(h, 4); }).find("expected a non-empty list of [integer >= 1, integer >= 1] pairs"),
+            std::string::npos);
+
   // Its options under another hook, and PowerSGD's under this one, are named.
   json k = base();
   k["ddp"] = {{"comm_hook", "power_sgd"}, {"comm_state_option", {{"start_localSGD_iter", 3}}}};

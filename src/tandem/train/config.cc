@@ -19,7 +19,7 @@ namespace {
 
 using nlohmann::json;
 
-enum class Kind { Int, Number, Bool, String, Enum, IntList, Betas, Object };
+enum class Kind { Int, Number, Bool, String, Enum, IntList, IntPairs, Betas, Object };
 
 struct Spec {
   const char* path;
@@ -108,6 +108,7 @@ const std::vector<Spec>& specs() {
       {"ddp.comm_state_option.subgroup_size", Kind::Int, 1, kInf},
       {"ddp.model_averaging.period", Kind::Int, 1, kInf},
       {"ddp.model_averaging.warmup_steps", Kind::Int, 0, kInf},
+      {"ddp.model_averaging.hierarchy", Kind::IntPairs},
       {"ddp.sync_batchnorm", Kind::Bool},
       {"ddp.deterministic", Kind::Bool},
       {"ddp.check_replicas_every", Kind::Int, 0, kInf},
@@ -195,6 +196,7 @@ std::string kind_text(const Spec& s) {
       return t;
     }
     case Kind::IntList: return "a non-empty list of integers >= 1";
+    case Kind::IntPairs: return "a non-empty list of [integer >= 1, integer >= 1] pairs";
     case Kind::Betas: return "a list of two numbers in [0, 1)";
     case Kind::Object: return "an object";
   }
@@ -243,6 +245,14 @@ void check_value(const std::string& path, const json& v, const Spec& s) {
       if (!v.is_array() || v.empty()) bad_value(path, v, s);
       for (const json& e : v) {
         if (!is_integer(e) || e.get<double>() < 1) bad_value(path, v, s);
+      }
+      return;
+    case Kind::IntPairs:
+      if (!v.is_array() || v.empty()) bad_value(path, v, s);
+      for (const json& e : v) {
+        if (!e.is_array() || e.size() != 2) bad_value(path, v, s);
+        for (const json& x : e)
+          if (!is_integer(x) || x.get<double>() < 1) bad_value(path, v, s);
       }
       return;
     case Kind::Betas:
@@ -448,10 +458,28 @@ void parse_post_local_sgd(Config& c, const json& j) {
                "config: \"ddp.comm_state_option.subgroup_size\" {} does not divide the {} processes into equal groups; "
                "pick a divisor of {}",
                d.subgroup_size, c.world_size, c.world_size);
-  TANDEM_CHECK(at(j, "ddp.model_averaging.period"), ValueError,
-               "config: \"ddp.comm_hook\" \"post_local_sgd\" needs \"ddp.model_averaging.period\": the optimizer steps "
-               "between two averagings of the parameters (PeriodicModelAverager's period; torch's examples use 4)");
+  const json* hierarchy = at(j, "ddp.model_averaging.hierarchy");
+  TANDEM_CHECK((at(j, "ddp.model_averaging.period") != nullptr) != (hierarchy != nullptr), ValueError,
+               "config: \"ddp.comm_hook\" \"post_local_sgd\" needs one of \"ddp.model_averaging.period\" (the optimizer "
+               "steps between two averagings of the parameters: PeriodicModelAverager's period; torch's examples use 4) "
+               "and \"ddp.model_averaging.hierarchy\" ([[period, group size], ...]: HierarchicalModelAverager's), {}",
+               hierarchy ? "not both" : "got neither");
   get_int(j, "ddp.model_averaging.period", d.averaging_period);
+  if (hierarchy) {
+    for (const json& e : *hierarchy) {
+      const auto period = static_cast<int64_t>(e[0].get<double>()), size = static_cast<int64_t>(e[1].get<double>());
+      TANDEM_CHECK(d.averaging_hierarchy.empty() || period > d.averaging_hierarchy.back().first, ValueError,
+                   "config: \"ddp.model_averaging.hierarchy\" {}: the periods must increase", hierarchy->dump());
+      TANDEM_CHECK(c.world_size % size == 0, ValueError,
+                   "config: \"ddp.model_averaging.hierarchy\" {}: group size {} does not divide the {} processes",
+                   hierarchy->dump(), size, c.world_size);
+      d.averaging_hierarchy.emplace_back(period, size);
+    }
+    TANDEM_CHECK(d.averaging_hierarchy.back().second == c.world_size, ValueError,
+                 "config: \"ddp.model_averaging.hierarchy\" {}: the last (longest) period must average over all {} "
+                 "processes (torch's rule); end it with [period, {}]",
+                 hierarchy->dump(), c.world_size, c.world_size);
+  }
   // torch's advice: start averaging when local SGD starts.
   d.averaging_warmup_steps = d.post_local.start_localSGD_iter;
   get_int(j, "ddp.model_averaging.warmup_steps", d.averaging_warmup_steps);

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -116,11 +117,13 @@ struct DdpConfig {
   parallel::PowerSGDOptions power_sgd;
   // "post_local_sgd": torch's post_localSGD_hook with these options (its subgroup: consecutive
   // groups of subgroup_size ranks, torch's new_subgroups; 0: the processes of one node,
-  // LOCAL_WORLD_SIZE) and a PeriodicModelAverager(averaging_period, averaging_warmup_steps) after
-  // every optimizer step; checkpoints hold every rank's replica.
+  // LOCAL_WORLD_SIZE) and a PeriodicModelAverager(averaging_period, averaging_warmup_steps) (or a
+  // HierarchicalModelAverager) after every optimizer step; checkpoints hold every rank's replica.
   parallel::PostLocalSGDOptions post_local;
   int64_t subgroup_size = 0;
   int64_t averaging_period = 0;
+  // Instead of a period: HierarchicalModelAverager's (period, group size) pairs.
+  std::vector<std::pair<int64_t, int64_t>> averaging_hierarchy;
   int64_t averaging_warmup_steps = 0;
   bool sync_batchnorm = false;  // convert_sync_batchnorm on the model (W2's BatchNorms)
 };

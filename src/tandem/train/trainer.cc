@@ -321,7 +321,7 @@ std::shared_ptr<dist::ProcessGroup> local_sgd_subgroup(int64_t size, int world, 
 
 // Post-local SGD's counters from a checkpoint (the replicas came with load_checkpoint, which
 // refuses another world size). One saved with another hook leaves them fresh.
-void restore_local_sgd(parallel::PostLocalSGDState& state, parallel::PeriodicModelAverager& averager,
+void restore_local_sgd(parallel::PostLocalSGDState& state, parallel::ModelAverager& averager,
                        const CheckpointState& st) {
   if (!st.extra.contains("comm_hook") || st.extra["comm_hook"].value("type", "") != "post_local_sgd") return;
   const json& meta = st.extra["comm_hook"];
@@ -427,7 +427,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   std::string ddp_describe;
   std::shared_ptr<parallel::PowerSGDState> powersgd;
   std::shared_ptr<parallel::PostLocalSGDState> local_sgd;
-  std::unique_ptr<parallel::PeriodicModelAverager> averager;
+  std::unique_ptr<parallel::ModelAverager> averager;
   if (pg) {
     const DdpConfig& dc = cfg.ddp;
     ddp = std::make_shared<parallel::DistributedDataParallel>(model, pg, dc.options);
@@ -452,12 +452,23 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       if (o.post_local_gradient_allreduce) o.subgroup = local_sgd_subgroup(size, world, rank);
       local_sgd = std::make_shared<parallel::PostLocalSGDState>(o);
       ddp->register_comm_hook(parallel::post_localSGD_hook(local_sgd));
-      averager = std::make_unique<parallel::PeriodicModelAverager>(dc.averaging_period, dc.averaging_warmup_steps, pg);
+      std::string when;
+      if (dc.averaging_hierarchy.empty()) {
+        averager = std::make_unique<parallel::PeriodicModelAverager>(dc.averaging_period, dc.averaging_warmup_steps, pg);
+        when = fmt::format("every {} steps", dc.averaging_period);
+      } else {
+        averager = std::make_unique<parallel::HierarchicalModelAverager>(dc.averaging_hierarchy, dc.averaging_warmup_steps);
+        std::vector<std::string> levels;
+        for (const auto& [period, group_size] : dc.averaging_hierarchy)
+          levels.push_back(group_size == world ? fmt::format("every {} steps over all ranks", period)
+                                               : fmt::format("every {} steps in groups of {}", period, group_size));
+        when = fmt::format("{}", fmt::join(levels, ", "));
+      }
       const std::string grads = !o.post_local_gradient_allreduce ? "each rank's own gradients"
                                 : o.subgroup ? fmt::format("gradients averaged in groups of {}", size)
                                              : "gradients averaged over all ranks";
-      hook_text = fmt::format(" with post-local SGD from iteration {} ({}; parameters averaged every {} steps from step {})",
-                              o.start_localSGD_iter, grads, dc.averaging_period, dc.averaging_warmup_steps);
+      hook_text = fmt::format(" with post-local SGD from iteration {} ({}; parameters averaged {} from step {})",
+                              o.start_localSGD_iter, grads, when, dc.averaging_warmup_steps);
     }
     ddp_describe = fmt::format(", DDP over {}{}{}{}", world > 1 ? cfg.dist.backend : "one process", hook_text,
                                sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "",
