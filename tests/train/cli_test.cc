@@ -373,7 +373,8 @@ bool same_tensors(const std::string& a, const std::string& b) {
 // masters are what is averaged). The losses follow plain DDP through step 3 and part after it.
 // Subgroups of one are the same run; with groups of 2 among 4 processes (gradients averaged
 // within a group) ranks 0 and 1 stay equal and ranks 0 and 2 do not; a hierarchy of averagings
-// (HierarchicalModelAverager) resumes bitwise too. Resuming on another process count, or without rank 1's files,
+// (HierarchicalModelAverager) resumes bitwise too. Continued as plain DDP, every rank starts from
+// rank 0's replica. Resuming on another process count, or without rank 1's files,
 // is refused with the reason.
 TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
   tandem::testing::TempDir dir;
@@ -484,6 +485,18 @@ TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
     }
   }
 
+  // Continued as plain DDP, every rank starts from rank 0's replica: the replica check after
+  // every step passes (it fails when each rank loads its own), and no replicas are saved.
+  const std::string cont = dir.path() + "/continued";
+  fs::create_directories(cont + "/checkpoints");
+  fs::copy(dir.path() + "/stopped/checkpoints/step_00000008", cont + "/checkpoints/step_00000008",
+           fs::copy_options::recursive);
+  ASSERT_EQ(run(launch + " --set ddp.check_replicas_every=1 --set train.steps=10 --out " + cont + " --resume auto", &out),
+            0)
+      << out;
+  EXPECT_TRUE(fs::exists(cont + "/checkpoints/step_00000010/model.safetensors"));
+  EXPECT_FALSE(fs::exists(cont + "/checkpoints/step_00000010/rank_1"));
+
   // Another process count is refused before anything is loaded; so is a checkpoint without
   // rank 1's replica. The checkpoints stay.
   const std::string stopped = dir.path() + "/stopped", b = stopped + "/checkpoints/step_00000008";
@@ -494,7 +507,7 @@ TEST(TrainCli, PostLocalSgdResumesBitwiseWithEveryRanksReplica) {
   EXPECT_NE(out.find("holds the replicas of 2 ranks (they trained apart), this run has 4; resume it with 2 processes"),
             std::string::npos)
       << out;
-  EXPECT_NE(run(kCli + " train --config " + cfg + " --set train_batch_size=4 --set train.steps=12 --out " + stopped +
+  EXPECT_NE(run(kCli + " train --config " + cfg + pl + " --set train_batch_size=4 --set train.steps=12 --out " + stopped +
                     " --resume auto",
                 &out),
             0);

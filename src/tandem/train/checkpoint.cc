@@ -312,11 +312,12 @@ CheckpointState load_checkpoint(const std::string& top, const CheckpointTarget& 
   CheckpointState st = state_from_json(read_json(state_path), state_path);
   // This rank's files: rank 0's at the top, another rank's replica in its subdirectory.
   const int64_t replicas = st.extra.value("replicas", int64_t{0});
-  TANDEM_CHECK(replicas == 0 || (replicas == world && rank < world), ValueError,
+  const bool own = world > 0;  // each rank its own replica, or rank 0's everywhere
+  TANDEM_CHECK(replicas == 0 || !own || (replicas == world && rank < world), ValueError,
                "load_checkpoint: {} holds the replicas of {} ranks (they trained apart), this run has {}; resume it with {} "
                "processes (or start a new run directory)",
                top, replicas, world, replicas);
-  const std::string dir = replicas > 0 && rank > 0 ? top + "/" + replica_name(rank) : top;
+  const std::string dir = replicas > 0 && own && rank > 0 ? top + "/" + replica_name(rank) : top;
   TANDEM_CHECK(fs::is_directory(dir), IOError,
                "load_checkpoint: {} has no {}/ (rank {}'s replica); restore it or resume from another checkpoint", top,
                replica_name(rank), rank);

@@ -101,7 +101,8 @@ std::optional<std::string> latest_checkpoint(const std::string& root);
 // differs; in every error case nothing in `target` has changed. A checkpoint saved with the ranks'
 // replicas (extra "replicas": their count) gives rank `rank` of `world` its own (rank_<rank>/ for
 // rank > 0), and is refused, naming both counts, when `world` differs (a rank would lack one, or
-// replicas would be dropped). Without replicas every rank loads the one.
-CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target, int rank = 0, int world = 1);
+// replicas would be dropped). world = 0 asks for rank 0's replica on every rank instead (a run
+// that continues with identical replicas). Without replicas every rank loads the one.
+CheckpointState load_checkpoint(const std::string& dir, const CheckpointTarget& target, int rank = 0, int world = 0);
 
 }  // namespace tandem::train

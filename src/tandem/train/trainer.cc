@@ -485,7 +485,10 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   if (!opts.resume.empty()) {
     std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
     if (dir) {
-      const CheckpointState st = load_checkpoint(*dir, target, rank, world);
+      // Post-local SGD continues each rank's replica; any other run starts every rank from rank
+      // 0's (its replicas must be identical, and DDP's broadcast came before the load).
+      const bool own_replica = cfg.ddp.comm_hook == "post_local_sgd";
+      const CheckpointState st = own_replica ? load_checkpoint(*dir, target, rank, world) : load_checkpoint(*dir, target);
       step = st.step;
       if (prec.scaler) prec.scaler->load_state_dict(st.scaler);
       loader.load_state({st.epoch, resume_position(st, *dir, world, cfg.train_micro_batch_size_per_gpu)});
