@@ -210,6 +210,12 @@ TEST(HierarchicalModelAverager, AveragesInPairsThenEveryoneByPeriod) {
     if (averager.average_parameters({p}) || !averager.average_parameters({p}) || averager.last_group_size() != 4)
       fail("set_step(3)");
 
+    try {
+      (void)td::dist::new_subgroups(3);
+      fail("new_subgroups(3) accepted on 4 ranks");
+    } catch (const td::ValueError& e) {
+      if (std::string(e.what()).find("group size 3 does not divide the 4 ranks") == std::string::npos) fail(e.what());
+    }
     for (const auto& [levels, msg] : std::vector<std::pair<std::vector<std::pair<int64_t, int64_t>>, std::string>>{
              {{}, "period_group_sizes is empty"},
              {{{4, 2}, {2, 4}}, "periods must be >= 1 and increasing, got 2 after 4"},

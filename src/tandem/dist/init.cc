@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 #include <thread>
 
 #include <fmt/ranges.h>
@@ -323,6 +324,20 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   lock.lock();
   s.subgroups.push_back(sub);
   return sub;
+}
+
+std::shared_ptr<ProcessGroup> new_subgroups(int group_size, std::chrono::milliseconds timeout) {
+  const int world = default_group()->size(), rank = default_group()->rank();
+  TANDEM_CHECK(group_size >= 1 && world % group_size == 0, ValueError,
+               "new_subgroups: group size {} does not divide the {} ranks into equal groups", group_size, world);
+  std::shared_ptr<ProcessGroup> mine;
+  for (int first = 0; first < world; first += group_size) {
+    std::vector<int> ranks(static_cast<size_t>(group_size));
+    std::iota(ranks.begin(), ranks.end(), first);
+    std::shared_ptr<ProcessGroup> g = new_group(ranks, timeout);
+    if (rank >= first && rank < first + group_size) mine = g;
+  }
+  return mine;
 }
 
 void destroy_process_group() {

@@ -207,6 +207,10 @@ int get_world_size();  // of the default group
 // ranks (c10d). Ranks outside `ranks` get nullptr.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks,
                                         std::chrono::milliseconds timeout = Store::kDefaultTimeout);
+// torch's new_subgroups(group_size): the default group cut into consecutive groups of
+// `group_size` ranks; every rank makes every group (new_group's rule) and gets its own. Throws
+// ValueError when group_size does not divide the default group's size.
+std::shared_ptr<ProcessGroup> new_subgroups(int group_size, std::chrono::milliseconds timeout = Store::kDefaultTimeout);
 // Destroys the default group and every group made from it.
 void destroy_process_group();
 // A barrier on the default group, waited for.

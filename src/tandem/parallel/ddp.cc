@@ -151,14 +151,15 @@ void DistributedDataParallel::check_same_model() {
       fmt::join(ranks, ", "), i, at0, differing, at_r));
 }
 
-void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective) {
+void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective,
+               const std::function<Tensor(DType, int64_t)>& flat_for) {
   NoGradGuard no_grad;
   std::map<DType, std::vector<Tensor>> by_dtype;
   for (const auto& t : tensors) by_dtype[t.dtype()].push_back(t);
   for (auto& [dt, list] : by_dtype) {
     int64_t total = 0;
     for (const auto& t : list) total += t.numel();
-    Tensor flat = empty({total}, dt);
+    Tensor flat = flat_for ? flat_for(dt, total) : empty({total}, dt);
     int64_t off = 0;
     for (const auto& t : list) {
       make_view(flat, t.shape(), contiguous_strides(t.shape()), off).copy_(t);

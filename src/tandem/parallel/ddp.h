@@ -23,8 +23,11 @@ namespace tandem::optim { class Optimizer; }
 namespace tandem::parallel {
 
 // Runs `collective` on one flat copy of `tensors` per dtype (in their order; one collective per
-// dtype) and copies the result back into them: DDP's broadcasts, the model averager's all-reduce.
-void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective);
+// dtype) and copies the result back into them: DDP's broadcasts, the model averagers' all-reduce.
+// The flat buffers are fresh, or `flat_for(dtype, numel)`'s (a contiguous 1-d tensor the caller
+// keeps, e.g. memory from the group's allocate(), which shm reduces in place).
+void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective,
+               const std::function<Tensor(DType, int64_t)>& flat_for = {});
 
 struct DDPOptions {
   double bucket_cap_mb = 25.0;

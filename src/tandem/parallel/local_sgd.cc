@@ -1,10 +1,9 @@
 // Post-local SGD (see local_sgd.h): the hook decides per bucket between the plain all-reduce,
-// the subgroup's and none; the averager all-reduces the parameters coalesced per dtype.
+// the subgroup's and none; the averagers all-reduce the parameters coalesced per dtype.
 #include "tandem/parallel/local_sgd.h"
 
 #include <utility>
 
-#include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
 #include "tandem/parallel/ddp.h"
 
@@ -44,29 +43,16 @@ PeriodicModelAverager::PeriodicModelAverager(int64_t period, int64_t warmup_step
 }
 
 void GroupAverage::operator()(const std::vector<Tensor>& params, dist::ProcessGroup& group) {
-  NoGradGuard no_grad;
-  std::map<DType, std::vector<const Tensor*>> by_dtype;
-  for (const Tensor& p : params) by_dtype[p.dtype()].push_back(&p);
-  for (const auto& [dt, list] : by_dtype) {
-    int64_t total = 0;
-    for (const Tensor* p : list) total += p->numel();
-    Flat& f = flats_[dt];
-    if (!f.tensor.defined() || f.tensor.numel() != total) {
-      f.memory = group.allocate(static_cast<size_t>(total) * element_size(dt));
-      f.tensor = from_blob(f.memory.get(), {total}, dt);
-    }
-    int64_t off = 0;
-    for (const Tensor* p : list) {
-      f.tensor.narrow(0, off, p->numel()).view(p->shape()).copy_(*p);
-      off += p->numel();
-    }
-    group.all_reduce(f.tensor, dist::ReduceOp::AVG)->wait();
-    off = 0;
-    for (const Tensor* p : list) {
-      Tensor(*p).copy_(f.tensor.narrow(0, off, p->numel()).view(p->shape()));
-      off += p->numel();
-    }
-  }
+  coalesced(
+      params, [&](Tensor& flat) { group.all_reduce(flat, dist::ReduceOp::AVG)->wait(); },
+      [&](DType dt, int64_t numel) {
+        Flat& f = flats_[dt];
+        if (!f.tensor.defined() || f.tensor.numel() != numel) {
+          f.memory = group.allocate(static_cast<size_t>(numel) * element_size(dt));
+          f.tensor = from_blob(f.memory.get(), {numel}, dt);
+        }
+        return f.tensor;
+      });
 }
 
 bool PeriodicModelAverager::average_parameters(const std::vector<Tensor>& params) {
@@ -110,7 +96,7 @@ HierarchicalModelAverager::HierarchicalModelAverager(std::vector<std::pair<int64
                "HierarchicalModelAverager: period_group_sizes is empty; give (period, group size) pairs");
   TANDEM_CHECK(warmup_steps_ >= 0, ValueError, "HierarchicalModelAverager: warmup_steps must be >= 0, got {}", warmup_steps_);
   const std::shared_ptr<dist::ProcessGroup> world_group = dist::default_group();
-  const int world = world_group->size(), rank = world_group->rank();
+  const int world = world_group->size();
   for (size_t i = 0; i < period_group_sizes.size(); ++i) {
     const auto [period, size] = period_group_sizes[i];
     TANDEM_CHECK(period >= 1 && (i == 0 || period > period_group_sizes[i - 1].first), ValueError,
@@ -126,17 +112,7 @@ HierarchicalModelAverager::HierarchicalModelAverager(std::vector<std::pair<int64
                period_group_sizes.back().first, world, period_group_sizes.back().second);
   for (const auto& [period, size] : period_group_sizes) {
     Level level{period, size, nullptr, {}};
-    if (size == world) {
-      level.group = world_group;
-    } else {
-      // torch's new_subgroups(size): consecutive ranks; every rank makes every group.
-      for (int first = 0; first < world; first += static_cast<int>(size)) {
-        std::vector<int> ranks(static_cast<size_t>(size));
-        for (int j = 0; j < size; ++j) ranks[static_cast<size_t>(j)] = first + j;
-        std::shared_ptr<dist::ProcessGroup> g = dist::new_group(ranks);
-        if (rank >= first && rank < first + size) level.group = g;
-      }
-    }
+    level.group = size == world ? world_group : dist::new_subgroups(static_cast<int>(size));
     levels_.push_back(std::move(level));
   }
 }
@@ -154,6 +130,5 @@ bool HierarchicalModelAverager::average_parameters(const std::vector<Tensor>& pa
   }
   return false;
 }
-
 
 }  // namespace tandem::parallel

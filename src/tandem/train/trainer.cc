@@ -305,20 +305,6 @@ void restore_powersgd(parallel::PowerSGDState& state, const CheckpointState& st,
   state.load_state_dict(d);
 }
 
-// torch's new_subgroups(size): consecutive groups of `size` ranks; every rank makes every group
-// (c10d's rule) and keeps its own. nullptr when one group would be the whole world (DDP's group).
-std::shared_ptr<dist::ProcessGroup> local_sgd_subgroup(int64_t size, int world, int rank) {
-  if (size <= 0 || size >= world) return nullptr;
-  std::shared_ptr<dist::ProcessGroup> mine;
-  for (int first = 0; first < world; first += static_cast<int>(size)) {
-    std::vector<int> ranks(static_cast<size_t>(size));
-    std::iota(ranks.begin(), ranks.end(), first);
-    std::shared_ptr<dist::ProcessGroup> g = dist::new_group(ranks);
-    if (rank >= first && rank < first + size) mine = g;
-  }
-  return mine;
-}
-
 // Post-local SGD's counters from a checkpoint (the replicas came with load_checkpoint, which
 // refuses another world size). One saved with another hook leaves them fresh.
 void restore_local_sgd(parallel::PostLocalSGDState& state, parallel::ModelAverager& averager,
@@ -449,7 +435,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       const int64_t size = dc.subgroup_size > 0 ? dc.subgroup_size : env.local_world_size > 0 ? env.local_world_size : world;
       parallel::PostLocalSGDOptions o = dc.post_local;
       if (size == 1) o.post_local_gradient_allreduce = false;  // groups of one: each rank's own gradients
-      if (o.post_local_gradient_allreduce) o.subgroup = local_sgd_subgroup(size, world, rank);
+      // Groups of all ranks: DDP's own group (subgroup nullptr).
+      if (o.post_local_gradient_allreduce && size < world) o.subgroup = dist::new_subgroups(static_cast<int>(size));
       local_sgd = std::make_shared<parallel::PostLocalSGDState>(o);
       ddp->register_comm_hook(parallel::post_localSGD_hook(local_sgd));
       std::string when;
