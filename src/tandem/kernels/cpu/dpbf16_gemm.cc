@@ -150,7 +150,7 @@ TANDEM_DPBF16 void gemm_avx512bf16(char transa, char transb, int64_t M, int64_t 
     // Row i's pairs: (a(i, 2p), a(i, 2p + 1)), the odd K padded with zero: a copy of the row.
     for (int64_t i = 0; i < M; ++i) {
       auto* row = reinterpret_cast<uint16_t*>(s.a.data() + i * pp);
-      std::memcpy(row, a + i * lda, static_cast<size_t>(K) * sizeof(uint16_t));
+      if (K > 0) std::memcpy(row, a + i * lda, static_cast<size_t>(K) * sizeof(uint16_t));  // K = 0: a may be null
       std::fill(row + K, row + 2 * pp, uint16_t{0});
     }
     pa = s.a.data();
