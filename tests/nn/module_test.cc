@@ -336,3 +336,58 @@ TEST(Layers, ZeroGrad) {
   EXPECT_FALSE(lin.weight.grad().defined());
   EXPECT_FALSE(lin.bias.grad().defined());
 }
+
+// A DistributedDataParallel's state_dict names the model "module."; loading it into the bare model
+// (or the bare model's into the wrapper) says so and names the fix, and
+// consume_prefix_in_state_dict_if_present (PyTorch's) makes it load.
+TEST(Module, WrapperPrefixMismatchNamesTheFixAndConsumingThePrefixLoads) {
+  class Wrapper : public nn::Module {
+   public:
+    explicit Wrapper(std::shared_ptr<nn::Module> m) : Module("Wrapper") { register_module("module", std::move(m)); }
+  };
+  td::manual_seed(3);
+  auto inner = std::make_shared<WithBuffers>();
+  Wrapper wrapped(inner);
+  td::manual_seed(4);
+  WithBuffers bare;
+  ASSERT_NE(bare.lin->weight.to_vector(), inner->lin->weight.to_vector());
+
+  nn::StateDict sd = wrapped.state_dict();
+  EXPECT_EQ(names(sd), (std::vector<std::string>{"module.running", "module.lin.weight", "module.lin.bias"}));
+  expect_value_error_naming([&] { bare.load_state_dict(sd); },
+                            "prefix \"module.\" (a DistributedDataParallel's state_dict names the model \"module.\"): "
+                            "load it into the wrapper, or strip the prefix first with "
+                            "nn::consume_prefix_in_state_dict_if_present(state, \"module.\")");
+  // The other way round: the bare model's checkpoint into the wrapper.
+  expect_value_error_naming([&] { wrapped.load_state_dict(bare.state_dict()); },
+                            "Every model key is a checkpoint key with the prefix \"module.\"");
+  // Keys that differ otherwise get no such hint.
+  {
+    nn::StateDict other = bare.state_dict();
+    other.emplace_back("module.lin.extra", td::zeros({1}));
+    try {
+      wrapped.load_state_dict(other);
+      ADD_FAILURE();
+    } catch (const td::ValueError& e) {
+      EXPECT_EQ(std::string(e.what()).find("prefix"), std::string::npos) << e.what();
+    }
+    nn::StateDict two_prefixes = sd;
+    two_prefixes[0].first = "ddp.running";
+    try {
+      bare.load_state_dict(two_prefixes);
+      ADD_FAILURE();
+    } catch (const td::ValueError& e) {
+      EXPECT_EQ(std::string(e.what()).find("prefix"), std::string::npos) << e.what();
+    }
+  }
+
+  nn::consume_prefix_in_state_dict_if_present(sd, "module.");
+  EXPECT_EQ(names(sd), (std::vector<std::string>{"running", "lin.weight", "lin.bias"}));
+  bare.load_state_dict(sd);
+  EXPECT_EQ(bare.lin->weight.to_vector(), inner->lin->weight.to_vector());
+  EXPECT_EQ(bare.lin->bias.to_vector(), inner->lin->bias.to_vector());
+  // Keys without the prefix are left as they are (PyTorch's "if present").
+  nn::StateDict mixed = {{"module.a", td::zeros({1})}, {"b", td::zeros({1})}, {"modulex.c", td::zeros({1})}};
+  nn::consume_prefix_in_state_dict_if_present(mixed, "module.");
+  EXPECT_EQ(names(mixed), (std::vector<std::string>{"a", "b", "modulex.c"}));
+}

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "tandem/autograd/grad_mode.h"
@@ -161,7 +162,54 @@ void convert_in_place(const Tensor& t, DType dtype) {
   impl.dtype = dtype;
 }
 
+// The fix when the keys differ by one leading prefix, as between a DistributedDataParallel's
+// state_dict ("module.fc.weight") and its model's ("fc.weight"): every unexpected key is a
+// missing one with a prefix, or the other way round. Empty otherwise.
+std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
+  if (missing.empty() || missing.size() != unexpected.size()) return "";
+  // The prefix that turns `shorter` into `longer`, the same for every key, or none.
+  const auto common_prefix = [](const std::vector<std::string>& shorter,
+                                const std::vector<std::string>& longer) -> std::optional<std::string> {
+    std::optional<std::string> prefix;
+    std::vector<std::string> rest;
+    for (const auto& key : longer) {
+      const size_t dot = key.find('.');
+      if (dot == std::string::npos) return std::nullopt;
+      const std::string p = key.substr(0, dot + 1);
+      if (prefix && *prefix != p) return std::nullopt;
+      prefix = p;
+      rest.push_back(key.substr(dot + 1));
+    }
+    std::vector<std::string> a = shorter;
+    std::sort(a.begin(), a.end());
+    std::sort(rest.begin(), rest.end());
+    if (a != rest) return std::nullopt;
+    return prefix;
+  };
+  if (auto p = common_prefix(missing, unexpected)) {
+    return fmt::format(
+        ". Every checkpoint key is a model key with the prefix \"{}\" (a DistributedDataParallel's state_dict names "
+        "the model \"module.\"): load it into the wrapper, or strip the prefix first with "
+        "nn::consume_prefix_in_state_dict_if_present(state, \"{}\")",
+        *p, *p);
+  }
+  if (auto p = common_prefix(unexpected, missing)) {
+    return fmt::format(
+        ". Every model key is a checkpoint key with the prefix \"{}\": the checkpoint holds the bare model and this "
+        "module wraps it (DistributedDataParallel names it \"module.\"); load it into the wrapped module "
+        "(ddp.module()->load_state_dict)",
+        *p);
+  }
+  return "";
+}
+
 }  // namespace
+
+void consume_prefix_in_state_dict_if_present(StateDict& state, const std::string& prefix) {
+  for (auto& [key, t] : state) {
+    if (key.compare(0, prefix.size(), prefix) == 0) key.erase(0, prefix.size());
+  }
+}
 
 Module& Module::to(DType dtype) {
   TANDEM_CHECK(is_floating(dtype), DTypeError, "{}.to: expected a floating dtype, got {}", type_name_, dtype_name(dtype));
@@ -256,8 +304,8 @@ IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
       for (const auto& x : v) s += (s.empty() ? "\"" : ", \"") + x + "\"";
       return s.empty() ? std::string("none") : s;
     };
-    throw ValueError(fmt::format("load_state_dict ({}): missing keys: {}; unexpected keys: {}", type_name_,
-                                 join(missing), join(unexpected)));
+    throw ValueError(fmt::format("load_state_dict ({}): missing keys: {}; unexpected keys: {}{}", type_name_,
+                                 join(missing), join(unexpected), prefix_hint(missing, unexpected)));
   }
   NoGradGuard no_grad;
   for (const auto& [name, t] : mine) {

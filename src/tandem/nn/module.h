@@ -117,4 +117,9 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
 
+// Strips `prefix` from every key of `state` that starts with it, in place (PyTorch's
+// torch.nn.modules.utils.consume_prefix_in_state_dict_if_present): a DistributedDataParallel's
+// state_dict ("module.fc.weight") loads into the bare model after consuming "module.".
+void consume_prefix_in_state_dict_if_present(StateDict& state, const std::string& prefix);
+
 }  // namespace tandem::nn
