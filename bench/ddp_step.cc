@@ -20,6 +20,7 @@
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/local_sgd.h"
 #include "tandem/parallel/powersgd.h"
+#include "tandem/parallel/sync_batch_norm.h"
 
 namespace td = tandem;
 using td::Tensor;
@@ -35,6 +36,7 @@ struct Args : td::bench::CommonArgs {
   // warm start on: torch's defaults but start_powerSGD_iter, which the warmup steps pass).
   std::string comm_hook = "none";
   int64_t powersgd_rank = 1;
+  bool sync_bn = false;  // W2: every BatchNorm a SyncBatchNorm over the group
 };
 
 struct Phases {
@@ -100,6 +102,7 @@ void run_rank(const Args& a) {
       ys.push_back(td::randint(0, 10, {B}, &gen));
     }
   }
+  if (a.sync_bn) td::parallel::convert_sync_batchnorm(*model, group);
   td::parallel::DistributedDataParallel ddp(model, group, a.ddp);
   std::unique_ptr<td::parallel::PeriodicModelAverager> averager;
   if (a.comm_hook == "fp16") {
@@ -210,7 +213,7 @@ int main(int argc, char** argv) try {
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
                         "[--gradient-as-bucket-view] [--delay-allreduce] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
-                        "[--powersgd-rank R]",
+                        "[--powersgd-rank R] [--sync-bn]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();
                           else if (k == "--nproc") a.nproc = std::stoi(value());
@@ -221,6 +224,7 @@ int main(int argc, char** argv) try {
                           else if (k == "--delay-allreduce") a.ddp.delay_allreduce = true;
                           else if (k == "--comm-hook") a.comm_hook = value();
                           else if (k == "--powersgd-rank") a.powersgd_rank = std::stoll(value());
+                          else if (k == "--sync-bn") a.sync_bn = true;
                           else return false;
                           return true;
                         });

@@ -27,7 +27,9 @@ cmake --build "$dir" --parallel "$(nproc)"
 # Leak checking is off: oneDNN keeps its JIT code and primitive caches until exit.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+# TSan: oneDNN's OpenMP threads are suppressed (scripts/tsan.supp says why); die_after_fork=0
+# lets the tests that fork a child from a threaded process (killed-during-save) run.
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:die_after_fork=0:suppressions=$PWD/scripts/tsan.supp}
 if [ $# -eq 0 ]; then
   set -- -R '^((DDP|DDPSemantics|DDPJoin|DDPPowerSGD|PostLocalSGD|PostLocalSGDOptimizer|PeriodicModelAverager|HierarchicalModelAverager|SyncBatchNorm|Shm[A-Za-z]*|Work|InitProcessGroup|PrefixStore|TCPStore|Spawn|DataLoader)\.|Checkpoint\.Gathered)'
 fi

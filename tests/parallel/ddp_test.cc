@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <tuple>
 
 #include "tandem/amp/autocast.h"
 #include "tandem/amp/grad_scaler.h"
@@ -712,6 +713,92 @@ TEST(SyncBatchNorm, UnequalPerRankBatchesEqualBatchNormOnTheConcatenatedBatch) {
     group->all_reduce(gb)->wait();
     if (!td::testing::all_close(gw, bn->weight.grad(), 1e-5, 1e-5)) fail("weight gradient differs");
     if (!td::testing::all_close(gb, bn->bias.grad(), 1e-5, 1e-5)) fail("bias gradient differs");
+  });
+}
+
+// SyncBatchNorm runs BatchNorm's own kernels: a channels-last input (what convolutions output)
+// stays channels-last, bf16 is read as it is, and the fused ReLU (forward_relu, what the CNN's
+// [BatchNorm2d, ReLU] pairs run) gives what BatchNorm2d gives on the global batch.
+TEST(SyncBatchNorm, ChannelsLastBf16AndFusedReluMatchBatchNormOnTheGlobalBatch) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int64_t sizes[2] = {3, 5}, C = 6, H = 4, W = 3;
+    const int64_t start = group->rank() == 0 ? 0 : sizes[0], n = sizes[group->rank()];
+    for (td::DType dt : {td::kFloat32, td::kBFloat16}) {
+      for (bool relu : {false, true}) {
+        const std::string what = fmt::format("{}{}", td::dtype_name(dt), relu ? " + ReLU" : "");
+        td::Generator gen(11);
+        const Tensor x = td::randn({8, C, H, W}, td::kFloat32, &gen), gy = td::randn({8, C, H, W}, td::kFloat32, &gen);
+        // rows [lo, lo + len) of t as a channels-last leaf of dtype dt.
+        auto channels_last = [&](const Tensor& t, int64_t lo, int64_t len) {
+          Tensor out = td::empty_strided({len, C, H, W}, {C * H * W, 1, W * C, C}, dt);
+          out.copy_(t.narrow(0, lo, len));
+          return out;
+        };
+        auto sync = std::make_shared<td::parallel::SyncBatchNorm>(C, group);
+        auto bn = std::make_shared<td::nn::BatchNorm2d>(C);
+        {
+          td::NoGradGuard no_grad;  // not the default weight and bias, so that their use shows
+          for (auto* m : {static_cast<td::nn::BatchNorm*>(sync.get()), static_cast<td::nn::BatchNorm*>(bn.get())}) {
+            m->weight.copy_(td::arange(0.5, 0.5 + 0.25 * C, 0.25, td::kFloat32));
+            m->bias.copy_(td::arange(-0.2, -0.2 + 0.1 * C - 0.05, 0.1, td::kFloat32));
+          }
+        }
+        Tensor xr = channels_last(x, start, n).requires_grad_();
+        Tensor y = relu ? sync->forward_relu(xr) : sync->forward(xr);
+        if (y.strides() != xr.strides() || y.dtype() != dt) fail(what + ": the output is not channels-last " + std::string(td::dtype_name(dt)));
+        td::ops::sum(td::ops::mul(y, channels_last(gy, start, n))).backward();
+        Tensor xg = channels_last(x, 0, 8).requires_grad_();
+        Tensor yg = relu ? bn->forward_relu(xg) : bn->forward(xg);
+        td::ops::sum(td::ops::mul(yg, channels_last(gy, 0, 8))).backward();
+        // f32: the same kernels over other block groupings, combined in f64: f32 rounding, 1e-5.
+        // bf16: outputs and input gradients are f32 values that may round to neighbouring bf16
+        // numbers (one ulp, 2^-8 relative); the statistics stay f32.
+        const double tol = dt == td::kFloat32 ? 1e-5 : 1.0 / 128;
+        auto expect = [&](const Tensor& got, const Tensor& want, double rtol, double atol, const std::string& name) {
+          auto r = td::testing::all_close(got.to(td::kFloat32), want.to(td::kFloat32), rtol, atol);
+          if (!r) fail(what + ": " + name + ": " + r.message());
+        };
+        expect(y, yg.narrow(0, start, n), tol, tol, "forward");
+        expect(xr.grad(), xg.grad().narrow(0, start, n), tol, tol, "input gradient");
+        expect(sync->running_mean, bn->running_mean, 1e-5, 1e-6, "running_mean");
+        expect(sync->running_var, bn->running_var, 1e-5, 1e-6, "running_var");
+        Tensor gw = sync->weight.grad().clone(), gb = sync->bias.grad().clone();
+        group->all_reduce(gw)->wait();
+        group->all_reduce(gb)->wait();
+        expect(gw, bn->weight.grad(), 1e-5, 1e-4, "weight gradient");
+        expect(gb, bn->bias.grad(), 1e-5, 1e-4, "bias gradient");
+      }
+    }
+  });
+}
+
+// On a group of one (and wherever one rank holds the whole batch) SyncBatchNorm is BatchNorm bit
+// for bit: the same kernels, and the one contributing rank's statistics taken as they are.
+TEST(SyncBatchNorm, OnAGroupOfOneIsBatchNormBitForBit) {
+  on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
+    const int64_t C = 5;
+    td::Generator gen(12);
+    const Tensor x = td::ops::add(td::ops::mul(td::randn({6, C, 7, 3}, td::kFloat32, &gen), 2.0), 0.7);
+    const Tensor gy = td::randn({6, C, 7, 3}, td::kFloat32, &gen);
+    for (bool relu : {false, true}) {
+      auto sync = std::make_shared<td::parallel::SyncBatchNorm>(C, group, td::nn::BatchNormOptions{.momentum = std::nullopt});
+      auto bn = std::make_shared<td::nn::BatchNorm2d>(C, td::nn::BatchNormOptions{.momentum = std::nullopt});
+      for (int it = 0; it < 2; ++it) {
+        Tensor xs = x.clone().requires_grad_(), xb = x.clone().requires_grad_();
+        Tensor ys = relu ? sync->forward_relu(xs) : sync->forward(xs);
+        Tensor yb = relu ? bn->forward_relu(xb) : bn->forward(xb);
+        td::ops::sum(td::ops::mul(ys, gy)).backward();
+        td::ops::sum(td::ops::mul(yb, gy)).backward();
+        const std::string at = fmt::format("{}iteration {}", relu ? "ReLU, " : "", it);
+        for (auto [got, want, name] : {std::tuple{ys, yb, "forward"}, std::tuple{xs.grad(), xb.grad(), "input gradient"},
+                                       std::tuple{sync->weight.grad(), bn->weight.grad(), "weight gradient"},
+                                       std::tuple{sync->bias.grad(), bn->bias.grad(), "bias gradient"},
+                                       std::tuple{sync->running_mean, bn->running_mean, "running_mean"},
+                                       std::tuple{sync->running_var, bn->running_var, "running_var"}}) {
+          if (!td::testing::bitwise_equal(got, want)) fail(at + ": " + name + " is not BatchNorm's bit for bit");
+        }
+      }
+    }
   });
 }
 

@@ -1,7 +1,6 @@
 #include "tandem/nn/norm.h"
 
 #include "tandem/autograd/grad_mode.h"
-#include "tandem/ops/elementwise.h"
 #include "tandem/ops/norm.h"
 
 namespace tandem::nn {
@@ -30,7 +29,7 @@ Tensor BatchNorm::forward_impl(const Tensor& x, bool relu) {
                expected_dims_ == 4 ? "4-d (N, C, H, W)" : "2-d (N, C) or 3-d (N, C, L)", shape_str(x.shape()));
   TANDEM_CHECK(x.size(1) == num_features, ShapeError, "{}: expected {} channels, got input of shape {}", type_name(),
                num_features, shape_str(x.shape()));
-  if (is_training() && training_forward) return relu ? ops::relu(training_forward(*this, x)) : training_forward(*this, x);
+  if (is_training() && training_forward) return training_forward(*this, x, relu);
   const bool use_batch_stats = is_training() || !options.track_running_stats;
   const bool update = is_training() && options.track_running_stats;
   if (update) {

@@ -34,9 +34,10 @@ class BatchNorm : public Module {
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
   int64_t num_features;
   BatchNormOptions options;
-  // Replaces the training-mode forward when set (after the shape checks): SyncBatchNorm plugs in
-  // here (parallel::convert_sync_batchnorm), so a converted layer stays the object models hold.
-  std::function<Tensor(BatchNorm&, const Tensor&)> training_forward;
+  // Replaces the training-mode forward when set (after the shape checks; relu: forward_relu's
+  // fused ReLU): SyncBatchNorm plugs in here (parallel::convert_sync_batchnorm), so a converted
+  // layer stays the object models hold.
+  std::function<Tensor(BatchNorm&, const Tensor& x, bool relu)> training_forward;
 
  private:
   Tensor forward_impl(const Tensor& x, bool relu);

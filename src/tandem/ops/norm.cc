@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "tandem/amp/policy.h"
@@ -211,8 +212,10 @@ namespace {
 // max(0, y) directly; backward masks the incoming gradient with (output > 0) inside the
 // per-channel sums and the final affine pass, so neither the ReLU's output nor its gradient is
 // ever a tensor of its own.
+// group (SyncBatchNorm, training only): the statistics and the backward sums are the group's.
 Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                       const Tensor& bias, bool training, double momentum, double eps, bool relu) {
+                       const Tensor& bias, bool training, double momentum, double eps, bool relu,
+                       const BatchNormGroupStats* group = nullptr) {
   TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "batch_norm: expected an input of shape (N, C, *), got {}",
                shape_str(x_in.shape()));
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "batch_norm: expected a floating input, got {}",
@@ -227,10 +230,11 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   Tensor x = x_in.detach();
   const Layout l = channel_layout(x);
   const int64_t count = l.outer * l.inner;
-  TANDEM_CHECK(!training || count != 1, ValueError,
+  // (Over a group the group's count decides: its stats hook checks it.)
+  TANDEM_CHECK(!training || group != nullptr || count != 1, ValueError,
                "batch_norm: expected more than 1 value per channel when training, got input of shape {}",
                shape_str(x_in.shape()));
-  if (count == 0) {
+  if (count == 0 && group == nullptr) {
     // An empty batch (N = 0, or an empty spatial dim), as PyTorch: an empty output, the running
     // stats untouched (no NaN mean of nothing), zero gradients for weight and bias.
     Tensor y = empty_like(x);
@@ -243,15 +247,22 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   }
   // ---- statistics ----
   std::vector<double> mean, var;
+  double total = static_cast<double>(count);  // values per channel behind the statistics
   if (training) {
-    TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] {
-      using T = scalar_t;
-      if constexpr (std::is_same_v<T, double>) channel_stats_f64(static_cast<const T*>(x.data_ptr()), l, mean, var);
-      else channel_stats(static_cast<const T*>(x.data_ptr()), l, mean, var);
-    });
+    if (count > 0) {
+      TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm", [&] {
+        using T = scalar_t;
+        if constexpr (std::is_same_v<T, double>) channel_stats_f64(static_cast<const T*>(x.data_ptr()), l, mean, var);
+        else channel_stats(static_cast<const T*>(x.data_ptr()), l, mean, var);
+      });
+    } else {  // an empty share of a group's batch
+      mean.assign(static_cast<size_t>(C), 0.0);
+      var.assign(static_cast<size_t>(C), 0.0);
+    }
+    if (group != nullptr) group->stats(total, mean, var);
     if (running_mean.defined() && running_var.defined()) {
       NoGradGuard no_grad;
-      const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
+      const double unbias = total / (total - 1);
       std::vector<double> rm = running_mean.to_vector(), rv = running_var.to_vector();
       for (int64_t c = 0; c < C; ++c) {
         rm[c] = (1 - momentum) * rm[c] + momentum * mean[c];
@@ -293,7 +304,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   });
   std::vector<Tensor> inputs{x_in, weight, bias};
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", inputs, {y},
-         [x, l, mean, invstd, w, training, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
+         [x, l, mean, invstd, w, training, total, grp = group ? std::make_optional(*group) : std::nullopt, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
           bdt = bias.defined() ? bias.dtype() : kFloat32, out = relu ? y.detach() : Tensor()](const G& g) {
            Tensor gy = g[0];
            if (gy.strides() != x.strides()) {
@@ -303,8 +314,9 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
            }
            gy = gy.to(x.dtype());
            const int64_t C = l.C;
-           const double n = static_cast<double>(l.outer * l.inner);
+           const double n = total;
            std::vector<double> sum_dy, sum_dy_xc;
+           std::vector<double> own_dy, own_dy_xc;  // over a group: this process's sums (weight and bias)
            Tensor gx = empty_like(x);
            TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm backward", [&] {
              using T = scalar_t;
@@ -349,6 +361,11 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                  }, pg, px);
                }
              }
+             if (grp) {
+               own_dy = sum_dy;
+               own_dy_xc = sum_dy_xc;
+               grp->grad_sums(sum_dy, sum_dy_xc);
+             }
              // Training: gx = a * (gy - mean(gy) - xhat * mean(gy * xhat)), a = w * invstd; eval: a * gy.
              // Written as gx = k_gy * gy + k_x * x + k_0 per channel.
              std::vector<double> k_gy(static_cast<size_t>(C)), k_x(static_cast<size_t>(C)), k_0(static_cast<size_t>(C));
@@ -378,10 +395,12 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                channel_affine<T>(l, po, pg, pm, px, fg, fx, f0, false);
              }
            });
+           const std::vector<double>& dy_sums = grp ? own_dy : sum_dy;
+           const std::vector<double>& dy_xc_sums = grp ? own_dy_xc : sum_dy_xc;
            std::vector<double> sum_dy_xhat(static_cast<size_t>(C));
-           for (int64_t c = 0; c < C; ++c) sum_dy_xhat[c] = sum_dy_xc[c] * invstd[c];
+           for (int64_t c = 0; c < C; ++c) sum_dy_xhat[c] = dy_xc_sums[c] * invstd[c];
            Tensor gw = has_w ? tensor(sum_dy_xhat, {C}, wdt) : Tensor();
-           Tensor gb = has_b ? tensor(sum_dy, {C}, bdt) : Tensor();
+           Tensor gb = has_b ? tensor(dy_sums, {C}, bdt) : Tensor();
            return G{gx, gw, gb};
          });
   return y;
@@ -397,6 +416,13 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
 Tensor batch_norm_relu(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                        const Tensor& bias, bool training, double momentum, double eps) {
   return batch_norm_impl(x, running_mean, running_var, weight, bias, training, momentum, eps, true);
+}
+
+Tensor batch_norm_over_group(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                             const Tensor& weight, const Tensor& bias, double momentum, double eps, bool relu,
+                             const BatchNormGroupStats& group) {
+  TANDEM_CHECK(group.stats && group.grad_sums, ValueError, "batch_norm_over_group: both group hooks must be set");
+  return batch_norm_impl(x, running_mean, running_var, weight, bias, /*training=*/true, momentum, eps, relu, &group);
 }
 
 namespace {
