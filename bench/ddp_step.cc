@@ -212,7 +212,7 @@ int main(int argc, char** argv) try {
   td::bench::parse_args(argc, argv, a,
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
-                        "[--gradient-as-bucket-view] [--delay-allreduce] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
+                        "[--gradient-as-bucket-view] [--delay-allreduce] [--deterministic] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
                         "[--powersgd-rank R] [--sync-bn]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();
@@ -222,6 +222,7 @@ int main(int argc, char** argv) try {
                           else if (k == "--first-bucket-mb") a.ddp.first_bucket_mb = std::stod(value());
                           else if (k == "--gradient-as-bucket-view") a.ddp.gradient_as_bucket_view = true;
                           else if (k == "--delay-allreduce") a.ddp.delay_allreduce = true;
+                          else if (k == "--deterministic") a.ddp.deterministic = true;
                           else if (k == "--comm-hook") a.comm_hook = value();
                           else if (k == "--powersgd-rank") a.powersgd_rank = std::stoll(value());
                           else if (k == "--sync-bn") a.sync_bn = true;

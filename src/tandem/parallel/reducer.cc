@@ -48,20 +48,39 @@ std::vector<const TensorImpl*> reachable_leaves(const Tensor& root) {
   return leaves;
 }
 
-// Sum of leaves [l, r) as a fixed binary tree: split at the largest power of two below r - l.
-// With k leaves per rank (k a power of two) every rank's block is a subtree, so the same tree
-// is computed whatever the number of ranks.
-void tree_sum(const std::vector<const float*>& leaves, size_t l, size_t r, int64_t n, float* out) {
+// The fixed binary tree over leaves [l, r): split at the largest power of two below r - l. With
+// k leaves per rank (k a power of two) every rank's block is a subtree, so the same tree is
+// computed whatever the number of ranks. Evaluated chunk by chunk: out[0, m) = the tree of
+// leaves[i] + off over [l, r), each node's sum a plain f32 add (left + right), in `tmp` (one
+// chunk per tree level) while it is in L1; a null leaf reads as zeros.
+constexpr int64_t kTreeChunk = 2048;
+
+void tree_chunk(const std::vector<const float*>& leaves, size_t l, size_t r, int64_t off, int64_t m, float* out,
+                float* tmp, const float* zeros) {
   if (r - l == 1) {
-    std::copy(leaves[l], leaves[l] + n, out);
+    const float* src = leaves[l] ? leaves[l] + off : zeros;
+    std::copy(src, src + m, out);
     return;
   }
   size_t h = 1;
   while (h * 2 < r - l) h *= 2;
-  std::vector<float> right(static_cast<size_t>(n));
-  tree_sum(leaves, l, l + h, n, out);
-  tree_sum(leaves, l + h, r, n, right.data());
-  for (int64_t i = 0; i < n; ++i) out[i] += right[static_cast<size_t>(i)];
+  tree_chunk(leaves, l, l + h, off, m, out, tmp + kTreeChunk, zeros);
+  tree_chunk(leaves, l + h, r, off, m, tmp, tmp + kTreeChunk, zeros);
+  for (int64_t i = 0; i < m; ++i) out[i] += tmp[i];
+}
+
+// out[i] = tree(leaves)[i] / divisor for i < n (divisor 1: the sum itself), in chunks.
+void tree_sum(const std::vector<const float*>& leaves, int64_t n, float* out, float divisor = 1.0f) {
+  size_t depth = 1;
+  while ((size_t{1} << (depth - 1)) < leaves.size()) ++depth;
+  std::vector<float> tmp(static_cast<size_t>(kTreeChunk) * depth), zeros(static_cast<size_t>(kTreeChunk), 0.0f);
+  for (int64_t off = 0; off < n; off += kTreeChunk) {
+    const int64_t m = std::min(kTreeChunk, n - off);
+    tree_chunk(leaves, 0, leaves.size(), off, m, out + off, tmp.data(), zeros.data());
+    if (divisor != 1.0f) {
+      for (int64_t i = 0; i < m; ++i) out[off + i] /= divisor;
+    }
+  }
 }
 
 // Whether gradient `g` is (a tensor over) slot `s` itself: the same memory, not a copy.
@@ -542,57 +561,65 @@ void Reducer::finalize_deterministic() {
   finalize_queued_ = false;
   NoGradGuard no_grad;
 
-  // Snapshot this micro-batch's gradients (f32, registration order) and clear them, so that the
-  // next micro-batch starts from nothing instead of accumulating.
+  // Take this micro-batch's gradients (as f32) and clear them, so that the next micro-batch starts
+  // from nothing instead of accumulating.
+  std::vector<Tensor> mine(params_.size());
   int64_t total = 0;
-  for (const auto& p : params_) total += p.tensor.numel();
-  std::vector<float> flat(static_cast<size_t>(total), 0.0f);
-  int64_t off = 0;
-  for (auto& p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    total += p.tensor.numel();
     Tensor g = p.tensor.grad();
-    if (g.defined()) {
-      Tensor g32 = g.to(kFloat32).contiguous();
-      std::copy(g32.data_ptr<float>(), g32.data_ptr<float>() + g32.numel(), flat.begin() + off);
-      p.tensor.set_grad(Tensor());
-    }
-    off += p.tensor.numel();
+    if (!g.defined()) continue;
+    mine[i] = g.dtype() == kFloat32 && g.is_contiguous() ? g : g.to(kFloat32).contiguous();
+    p.tensor.set_grad(Tensor());
   }
-  micro_grads_.push_back(std::move(flat));
+  micro_grads_.push_back(std::move(mine));
   if (!sync_) return;
 
   const int64_t k = static_cast<int64_t>(micro_grads_.size());
   const int64_t world = group_->size();
-  std::vector<const float*> leaves;
-  for (const auto& m : micro_grads_) leaves.push_back(m.data());
-  Tensor local = empty({total}, kFloat32);
-  tree_sum(leaves, 0, leaves.size(), total, local.data_ptr<float>());
+  if (!det_local_.defined() || det_local_.numel() != total) {
+    det_local_memory_ = group_->allocate(static_cast<size_t>(total) * sizeof(float));
+    det_all_memory_ = group_->allocate(static_cast<size_t>(world * total) * sizeof(float));
+    std::shared_ptr<void> keep_local = det_local_memory_, keep_all = det_all_memory_;
+    det_local_ = from_blob(det_local_memory_.get(), {total}, kFloat32, [keep_local](void*) {});
+    det_all_ = from_blob(det_all_memory_.get(), {world * total}, kFloat32, [keep_all](void*) {});
+  }
+  // This rank's sum over its micro-batches, parameter by parameter into the flat buffer.
+  float* local = det_local_.data_ptr<float>();
+  int64_t off = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    std::vector<const float*> leaves;
+    for (const auto& micro : micro_grads_) leaves.push_back(micro[i].defined() ? micro[i].data_ptr<float>() : nullptr);
+    tree_sum(leaves, params_[i].tensor.numel(), local + off);
+    off += params_[i].tensor.numel();
+  }
   micro_grads_.clear();
 
   // Every rank must contribute the same number of micro-batches, or the tree would differ.
   Tensor ks = empty({world}, kInt64);
-  Tensor mine = tensor(std::vector<int64_t>{k}, {1});
-  group_->all_gather(dist::as_buffer(ks), dist::as_buffer(mine))->wait();
+  Tensor my_k = tensor(std::vector<int64_t>{k}, {1});
+  group_->all_gather(dist::as_buffer(ks), dist::as_buffer(my_k))->wait();
   for (int64_t r = 0; r < world; ++r) {
     TANDEM_CHECK(ks.data_ptr<int64_t>()[r] == k, ValueError,
                  "DDP deterministic mode: rank {} accumulated {} micro-batches in this step but rank {} accumulated "
                  "{}; every rank must run the same number of micro-batches per step",
                  group_->rank(), k, r, ks.data_ptr<int64_t>()[r]);
   }
-  Tensor all = empty({world * total}, kFloat32);
-  group_->all_gather(dist::as_buffer(all), dist::as_buffer(local))->wait();
-  std::vector<const float*> blocks;
-  for (int64_t r = 0; r < world; ++r) blocks.push_back(all.data_ptr<float>() + r * total);
-  Tensor sum = empty({total}, kFloat32);
-  tree_sum(blocks, 0, blocks.size(), total, sum.data_ptr<float>());
+  group_->all_gather(dist::as_buffer(det_all_), dist::as_buffer(det_local_))->wait();
+  // The tree over the ranks' sums (each a subtree of k leaves), divided by the number of
+  // micro-batches, straight into each parameter's new gradient.
   const float count = static_cast<float>(k * world);
-  float* s = sum.data_ptr<float>();
-  for (int64_t i = 0; i < total; ++i) s[i] /= count;
-
+  const float* all = det_all_.data_ptr<float>();
   off = 0;
   for (auto& p : params_) {
-    Tensor g = make_view(sum, p.tensor.shape(), contiguous_strides(p.tensor.shape()), off).clone();
+    const int64_t n = p.tensor.numel();
+    std::vector<const float*> blocks;
+    for (int64_t r = 0; r < world; ++r) blocks.push_back(all + r * total + off);
+    Tensor g = empty(p.tensor.shape(), kFloat32);
+    tree_sum(blocks, n, g.data_ptr<float>(), count);
     p.tensor.set_grad(g.dtype() == p.tensor.dtype() ? g : g.to(p.tensor.dtype()));
-    off += p.tensor.numel();
+    off += n;
   }
   ++iteration_;
 }

@@ -194,7 +194,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int64_t join_divisor_ = 0;  // 0: the world size
 
   // ---- deterministic mode ----
-  std::vector<std::vector<float>> micro_grads_;  // one flat f32 copy of all gradients per micro-batch
+  // Per micro-batch of this step, every parameter's gradient as f32 (the tensors autograd made,
+  // taken over, not copied; undefined = zeros).
+  std::vector<std::vector<Tensor>> micro_grads_;
+  // This rank's sum (flat, registration order) and every rank's, gathered: kept between steps,
+  // allocated through the group (shm gathers straight from the first).
+  std::shared_ptr<void> det_local_memory_, det_all_memory_;
+  Tensor det_local_, det_all_;
 };
 
 // ---- built-in communication hooks (torch.distributed.algorithms.ddp_comm_hooks) ----
