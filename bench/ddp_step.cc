@@ -126,6 +126,7 @@ void run_rank(const Args& a) {
   } else {
     opt = std::make_unique<td::optim::AdamW>(model->parameters(), td::optim::AdamOptions{.lr = 1e-3});
   }
+  ddp.attach_optimizer(opt.get());  // check_replicas compares the optimizer state too
   const bool bf16 = a.dtype == "bf16";
   size_t next = 0;
   // --phases: per-rank wall split of the step, the main thread's CPU time and the reducer's
@@ -212,7 +213,7 @@ int main(int argc, char** argv) try {
   td::bench::parse_args(argc, argv, a,
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
-                        "[--gradient-as-bucket-view] [--delay-allreduce] [--deterministic] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
+                        "[--gradient-as-bucket-view] [--delay-allreduce] [--deterministic] [--check-replicas-every N] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
                         "[--powersgd-rank R] [--sync-bn]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();
@@ -223,6 +224,7 @@ int main(int argc, char** argv) try {
                           else if (k == "--gradient-as-bucket-view") a.ddp.gradient_as_bucket_view = true;
                           else if (k == "--delay-allreduce") a.ddp.delay_allreduce = true;
                           else if (k == "--deterministic") a.ddp.deterministic = true;
+                          else if (k == "--check-replicas-every") a.ddp.check_replicas_every = std::stoll(value());
                           else if (k == "--comm-hook") a.comm_hook = value();
                           else if (k == "--powersgd-rank") a.powersgd_rank = std::stoll(value());
                           else if (k == "--sync-bn") a.sync_bn = true;

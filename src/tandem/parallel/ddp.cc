@@ -19,7 +19,7 @@ namespace {
 uint64_t checksum(const Tensor& t) {
   Tensor c = t.contiguous();
   uint64_t h = fnv1a(c.shape().data(), c.shape().size() * sizeof(int64_t));  // 0-dim: no bytes
-  return fnv1a(c.data_ptr(), c.nbytes(), h);
+  return checksum64(c.data_ptr(), c.nbytes(), h);
 }
 
 // One line per tensor: "kind name shape dtype".
