@@ -640,6 +640,30 @@ TEST(DDP, ReplicaCheckNamesTheCorruptedParameter) {
   });
 }
 
+// With the optimizer attached the check covers its live state too (not a copy): a momentum
+// buffer changed on one rank is named by its index and key.
+TEST(DDP, ReplicaCheckNamesTheCorruptedOptimizerState) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    td::manual_seed(0);
+    auto model = td::nn::models::mlp();
+    DistributedDataParallel ddp(model, group);
+    td::optim::SGD opt(model->parameters(), td::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    ddp.attach_optimizer(&opt);
+    Workload w = w1_mlp();
+    auto [x, y] = w.batch(0, 8);
+    w.loss(ddp(rank_rows(x, group->rank(), 2)), rank_rows(y, group->rank(), 2)).backward();
+    opt.step();
+    ddp.check_replicas();  // one synchronized step: equal everywhere
+    if (group->rank() == 1) {
+      const auto* st = opt.state(model->parameters()[2]);  // 2.weight's
+      if (st == nullptr) fail("no optimizer state after a step");
+      Tensor buf = st->at("momentum_buffer");
+      buf.data_ptr<float>()[5] += 1e-3f;
+    }
+    expect_error([&] { ddp.check_replicas(); }, {"optimizer state[2].momentum_buffer", "rank(s) 1"}, "replica check");
+  });
+}
+
 TEST(DDP, KilledRankTurnsIntoAnErrorOnEverySurvivorWithinTwiceTheTimeout) {
   const auto timeout = std::chrono::seconds(3);
   td::dist::SpawnOptions options;

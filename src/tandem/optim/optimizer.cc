@@ -68,6 +68,11 @@ void Optimizer::run_step_post_hooks() {
 
 std::map<std::string, Tensor>& Optimizer::state_of(const Tensor& param) { return state_[&param.impl()]; }
 
+const std::map<std::string, Tensor>* Optimizer::state(const Tensor& param) const {
+  auto it = state_.find(&param.impl());
+  return it == state_.end() ? nullptr : &it->second;
+}
+
 OptimizerState Optimizer::state_dict() const {
   OptimizerState out;
   for (const auto& g : groups_) {

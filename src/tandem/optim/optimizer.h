@@ -48,6 +48,9 @@ class Optimizer {
   void remove_step_post_hook(int64_t handle);
 
   OptimizerState state_dict() const;
+  // The live state of `param` (PyTorch's optimizer.state[p], not copied): null before the
+  // parameter's first step.
+  const std::map<std::string, Tensor>* state(const Tensor& param) const;
   // Throws ValueError naming the group/parameter when the structure or a shape differs.
   void load_state_dict(const OptimizerState& state);
 

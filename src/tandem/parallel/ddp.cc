@@ -321,11 +321,17 @@ void DistributedDataParallel::check_replicas() {
     sums.push_back(static_cast<int64_t>(checksum(t)));
   }
   if (optimizer_ != nullptr) {
-    const optim::OptimizerState st = optimizer_->state_dict();
-    for (size_t i = 0; i < st.state.size(); ++i) {
-      for (const auto& [key, t] : st.state[i]) {
-        names.push_back(fmt::format("optimizer state[{}].{}", i, key));
-        sums.push_back(static_cast<int64_t>(checksum(t)));
+    // The live state, in state_dict's order (parameters by index over all groups), not a copy.
+    size_t i = 0;
+    for (const auto& g : optimizer_->param_groups()) {
+      for (const auto& p : g.params) {
+        if (const auto* st = optimizer_->state(p)) {
+          for (const auto& [key, t] : *st) {
+            names.push_back(fmt::format("optimizer state[{}].{}", i, key));
+            sums.push_back(static_cast<int64_t>(checksum(t)));
+          }
+        }
+        ++i;
       }
     }
   }
