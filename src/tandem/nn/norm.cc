@@ -29,12 +29,15 @@ Tensor BatchNorm::forward_impl(const Tensor& x, bool relu) {
                expected_dims_ == 4 ? "4-d (N, C, H, W)" : "2-d (N, C) or 3-d (N, C, L)", shape_str(x.shape()));
   TANDEM_CHECK(x.size(1) == num_features, ShapeError, "{}: expected {} channels, got input of shape {}", type_name(),
                num_features, shape_str(x.shape()));
-  if (is_training() && training_forward) return training_forward(*this, x, relu);
   const bool use_batch_stats = is_training() || !options.track_running_stats;
   const bool update = is_training() && options.track_running_stats;
   if (update) {
     NoGradGuard no_grad;
     *num_batches_tracked.data_ptr<int64_t>() += 1;
+  }
+  if (is_training() && group_stats) {
+    return ops::batch_norm_over_group(x, update ? running_mean : Tensor(), update ? running_var : Tensor(), weight, bias,
+                                      update ? running_average_factor() : 0.0, options.eps, relu, *group_stats);
   }
   return (relu ? ops::batch_norm_relu : ops::batch_norm)(x, update || !use_batch_stats ? running_mean : Tensor(),
                          update || !use_batch_stats ? running_var : Tensor(), weight, bias, use_batch_stats,

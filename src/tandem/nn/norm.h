@@ -2,11 +2,12 @@
 // running_var (f32) and num_batches_tracked (int64) as persistent buffers.
 #pragma once
 
-#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "tandem/nn/module.h"
+#include "tandem/ops/norm.h"
 
 namespace tandem::nn {
 
@@ -34,10 +35,10 @@ class BatchNorm : public Module {
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
   int64_t num_features;
   BatchNormOptions options;
-  // Replaces the training-mode forward when set (after the shape checks; relu: forward_relu's
-  // fused ReLU): SyncBatchNorm plugs in here (parallel::convert_sync_batchnorm), so a converted
-  // layer stays the object models hold.
-  std::function<Tensor(BatchNorm&, const Tensor& x, bool relu)> training_forward;
+  // When set, training takes its batch statistics over a process group
+  // (ops::batch_norm_over_group): SyncBatchNorm and parallel::convert_sync_batchnorm set it, so
+  // a converted layer stays the object models hold.
+  std::shared_ptr<const ops::BatchNormGroupStats> group_stats;
 
  private:
   Tensor forward_impl(const Tensor& x, bool relu);

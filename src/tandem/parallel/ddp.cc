@@ -248,9 +248,9 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
                "DistributedDataParallel.join: the deterministic mode needs every rank to run the same micro-batches "
                "per step, so it cannot join uneven inputs; give every rank the same number of batches instead");
   for (const auto& [name, m] : module_->named_modules()) {
-    // A SyncBatchNorm, or a BatchNorm convert_sync_batchnorm made synchronize (training_forward).
+    // A SyncBatchNorm, or a BatchNorm convert_sync_batchnorm made synchronize (group_stats).
     const auto* bn = dynamic_cast<const nn::BatchNorm*>(m.get());
-    TANDEM_CHECK(bn == nullptr || !bn->training_forward, ValueError,
+    TANDEM_CHECK(bn == nullptr || !bn->group_stats, ValueError,
                  "DistributedDataParallel.join: module '{}' is a SyncBatchNorm, whose forward is a collective that a "
                  "rank out of inputs cannot answer; use BatchNorm, or give every rank the same number of batches",
                  name.empty() ? std::string("(the wrapped module)") : name);

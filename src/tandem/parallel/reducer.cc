@@ -69,19 +69,29 @@ void tree_chunk(const std::vector<const float*>& leaves, size_t l, size_t r, int
   for (int64_t i = 0; i < m; ++i) out[i] += tmp[i];
 }
 
-// out[i] = tree(leaves)[i] / divisor for i < n (divisor 1: the sum itself), in chunks.
-void tree_sum(const std::vector<const float*>& leaves, int64_t n, float* out, float divisor = 1.0f) {
-  size_t depth = 1;
-  while ((size_t{1} << (depth - 1)) < leaves.size()) ++depth;
-  std::vector<float> tmp(static_cast<size_t>(kTreeChunk) * depth), zeros(static_cast<size_t>(kTreeChunk), 0.0f);
-  for (int64_t off = 0; off < n; off += kTreeChunk) {
-    const int64_t m = std::min(kTreeChunk, n - off);
-    tree_chunk(leaves, 0, leaves.size(), off, m, out + off, tmp.data(), zeros.data());
-    if (divisor != 1.0f) {
-      for (int64_t i = 0; i < m; ++i) out[off + i] /= divisor;
+// out[i] = tree(leaves)[i] / divisor for i < n (divisor 1: the sum itself), in chunks. Keeps its
+// scratch (a chunk per tree level and a chunk of zeros) across calls: one per finalize.
+class TreeSum {
+ public:
+  explicit TreeSum(size_t max_leaves) {
+    size_t depth = 1;
+    while ((size_t{1} << (depth - 1)) < max_leaves) ++depth;
+    tmp_.resize(static_cast<size_t>(kTreeChunk) * depth);
+    zeros_.assign(static_cast<size_t>(kTreeChunk), 0.0f);
+  }
+  void operator()(const std::vector<const float*>& leaves, int64_t n, float* out, float divisor = 1.0f) {
+    for (int64_t off = 0; off < n; off += kTreeChunk) {
+      const int64_t m = std::min(kTreeChunk, n - off);
+      tree_chunk(leaves, 0, leaves.size(), off, m, out + off, tmp_.data(), zeros_.data());
+      if (divisor != 1.0f) {
+        for (int64_t i = 0; i < m; ++i) out[off + i] /= divisor;
+      }
     }
   }
-}
+
+ private:
+  std::vector<float> tmp_, zeros_;
+};
 
 // Whether gradient `g` is (a tensor over) slot `s` itself: the same memory, not a copy.
 bool lies_in(const Tensor& g, const Tensor& s) {
@@ -586,11 +596,15 @@ void Reducer::finalize_deterministic() {
     det_all_ = from_blob(det_all_memory_.get(), {world * total}, kFloat32, [keep_all](void*) {});
   }
   // This rank's sum over its micro-batches, parameter by parameter into the flat buffer.
+  TreeSum tree_sum(static_cast<size_t>(std::max(k, world)));
+  std::vector<const float*> leaves(static_cast<size_t>(k));
   float* local = det_local_.data_ptr<float>();
   int64_t off = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
-    std::vector<const float*> leaves;
-    for (const auto& micro : micro_grads_) leaves.push_back(micro[i].defined() ? micro[i].data_ptr<float>() : nullptr);
+    for (int64_t j = 0; j < k; ++j) {
+      const Tensor& g = micro_grads_[static_cast<size_t>(j)][i];
+      leaves[static_cast<size_t>(j)] = g.defined() ? g.data_ptr<float>() : nullptr;
+    }
     tree_sum(leaves, params_[i].tensor.numel(), local + off);
     off += params_[i].tensor.numel();
   }
@@ -612,10 +626,10 @@ void Reducer::finalize_deterministic() {
   const float count = static_cast<float>(k * world);
   const float* all = det_all_.data_ptr<float>();
   off = 0;
+  std::vector<const float*> blocks(static_cast<size_t>(world));
   for (auto& p : params_) {
     const int64_t n = p.tensor.numel();
-    std::vector<const float*> blocks;
-    for (int64_t r = 0; r < world; ++r) blocks.push_back(all + r * total + off);
+    for (int64_t r = 0; r < world; ++r) blocks[static_cast<size_t>(r)] = all + r * total + off;
     Tensor g = empty(p.tensor.shape(), kFloat32);
     tree_sum(blocks, n, g.data_ptr<float>(), count);
     p.tensor.set_grad(g.dtype() == p.tensor.dtype() ? g : g.to(p.tensor.dtype()));

@@ -4,20 +4,20 @@
 #include <algorithm>
 #include <vector>
 
-#include "tandem/autograd/grad_mode.h"
 #include "tandem/core/error.h"
 #include "tandem/ops/norm.h"
 
 namespace tandem::parallel {
 
-Tensor sync_batch_norm(const Tensor& x, nn::BatchNorm& bn, std::shared_ptr<dist::ProcessGroup> group, bool relu) {
+std::shared_ptr<const ops::BatchNormGroupStats> group_batch_stats(std::shared_ptr<dist::ProcessGroup> group) {
   TANDEM_CHECK(group != nullptr, ValueError, "SyncBatchNorm: process group is null");
-  ops::BatchNormGroupStats g;
+  auto stats = std::make_shared<ops::BatchNormGroupStats>();
+  ops::BatchNormGroupStats& g = *stats;
   // Every rank's (count, mean, biased variance) per channel, gathered and combined in rank order
   // (Chan et al.): the same numbers in the same order on every rank, so the running stats stay
   // identical. The first rank with values is taken as it is, so a group where one rank has them
   // all (world size 1 included) normalises exactly as BatchNorm.
-  g.stats = [group, shape = x.shape()](double& count, std::vector<double>& mean, std::vector<double>& var) {
+  g.stats = [group](double& count, std::vector<double>& mean, std::vector<double>& var) {
     const int64_t C = static_cast<int64_t>(mean.size()), W = group->size(), row_len = 1 + 2 * C;
     Tensor mine = empty({row_len}, kFloat64);
     double* m = mine.data_ptr<double>();
@@ -31,8 +31,8 @@ Tensor sync_batch_norm(const Tensor& x, nn::BatchNorm& bn, std::shared_ptr<dist:
     for (int64_t r = 0; r < W; ++r) n_tot += a[r * row_len];
     TANDEM_CHECK(n_tot > 1, ValueError,
                  "SyncBatchNorm: expected more than 1 value per channel when training over the group, got {} "
-                 "(input shape {} on rank {})",
-                 n_tot, shape_str(shape), group->rank());
+                 "(rank {}'s batch has {} per channel)",
+                 n_tot, group->rank(), count);
     for (int64_t c = 0; c < C; ++c) {
       double n = 0, mu = 0, m2 = 0, v = 0;
       for (int64_t r = 0; r < W; ++r) {
@@ -65,30 +65,22 @@ Tensor sync_batch_norm(const Tensor& x, nn::BatchNorm& bn, std::shared_ptr<dist:
     std::copy(sd, sd + C, sum_dy.begin());
     std::copy(sd + C, sd + 2 * C, sum_dy_xc.begin());
   };
-  const bool track = bn.options.track_running_stats;
-  if (track) {
-    NoGradGuard no_grad;
-    *bn.num_batches_tracked.data_ptr<int64_t>() += 1;
-  }
-  return ops::batch_norm_over_group(x, track ? bn.running_mean : Tensor(), track ? bn.running_var : Tensor(), bn.weight,
-                                    bn.bias, track ? bn.running_average_factor() : 0.0, bn.options.eps, relu, g);
+  return stats;
 }
 
 SyncBatchNorm::SyncBatchNorm(int64_t num_features, std::shared_ptr<dist::ProcessGroup> group,
                              const nn::BatchNormOptions& options, int64_t dims)
     : nn::BatchNorm(num_features, dims, options, "SyncBatchNorm") {
-  TANDEM_CHECK(group != nullptr, ValueError, "SyncBatchNorm: process group is null");
-  training_forward = [group](nn::BatchNorm& bn, const Tensor& x, bool relu) { return sync_batch_norm(x, bn, group, relu); };
+  group_stats = group_batch_stats(std::move(group));
 }
 
 int64_t convert_sync_batchnorm(nn::Module& module, std::shared_ptr<dist::ProcessGroup> group) {
   TANDEM_CHECK(group != nullptr, ValueError, "convert_sync_batchnorm: process group is null");
+  const auto stats = group_batch_stats(std::move(group));
   int64_t converted = 0;
   for (auto& [name, m] : module.named_modules()) {
     if (auto* bn = dynamic_cast<nn::BatchNorm*>(m.get())) {
-      bn->training_forward = [group](nn::BatchNorm& b, const Tensor& x, bool relu) {
-        return sync_batch_norm(x, b, group, relu);
-      };
+      bn->group_stats = stats;
       ++converted;
     }
   }

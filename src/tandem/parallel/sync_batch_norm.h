@@ -12,12 +12,12 @@
 
 namespace tandem::parallel {
 
-// The training-mode forward of `bn` over `group` (updates bn's running stats; relu: followed by a
-// fused ReLU, as BatchNorm::forward_relu). Eval mode is plain BatchNorm. BatchNorm's kernels
-// (ops::batch_norm_over_group: any layout, f32/bf16/f16 read in place, per-channel sums folded
-// into f64), the ranks' statistics combined in f64; output in x's dtype and layout.
-Tensor sync_batch_norm(const Tensor& x, nn::BatchNorm& bn, std::shared_ptr<dist::ProcessGroup> group,
-                       bool relu = false);
+// BatchNorm's training statistics over `group` (what SyncBatchNorm and convert_sync_batchnorm put
+// in BatchNorm::group_stats): BatchNorm's kernels (any layout, f32/bf16/f16 read in place,
+// per-channel sums folded into f64, the fused ReLU), the ranks' statistics combined in f64.
+// Eval mode stays plain BatchNorm. Throws ValueError at a forward where the whole group has at
+// most one value per channel.
+std::shared_ptr<const ops::BatchNormGroupStats> group_batch_stats(std::shared_ptr<dist::ProcessGroup> group);
 
 class SyncBatchNorm : public nn::BatchNorm {
  public:
