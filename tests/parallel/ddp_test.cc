@@ -740,6 +740,42 @@ TEST(SyncBatchNorm, UnequalPerRankBatchesEqualBatchNormOnTheConcatenatedBatch) {
   });
 }
 
+// A rank whose batch is empty this step (the tail of an uneven dataset) still takes part in the
+// collectives with a count of zero, as torch.nn.SyncBatchNorm does: the others normalise with
+// the statistics of the values that exist, and its empty output and input gradient are fine.
+TEST(SyncBatchNorm, ARankWithAnEmptyBatchContributesNothing) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int64_t C = 3;
+    td::Generator gen(4);
+    Tensor x = td::randn({6, C, 2, 2}, td::kFloat32, &gen), gy = td::randn({6, C, 2, 2}, td::kFloat32, &gen);
+    const int64_t start = 0, n = group->rank() == 0 ? 0 : 6;
+
+    td::manual_seed(0);
+    auto sync = std::make_shared<td::parallel::SyncBatchNorm>(C, group);
+    Tensor xr = x.narrow(0, start, n).contiguous().requires_grad_();
+    Tensor y = sync->forward(xr);
+    td::ops::sum(td::ops::mul(y, gy.narrow(0, start, n).contiguous())).backward();
+
+    td::manual_seed(0);
+    auto bn = std::make_shared<td::nn::BatchNorm2d>(C);
+    Tensor xg = x.clone().requires_grad_();
+    Tensor yg = bn->forward(xg);
+    td::ops::sum(td::ops::mul(yg, gy)).backward();
+
+    if (y.size(0) != n) fail("output rows differ from input rows");
+    if (!td::testing::all_close(y, yg.narrow(0, start, n), 1e-5, 1e-5)) fail("forward differs");
+    if (!td::testing::all_close(xr.grad(), xg.grad().narrow(0, start, n), 1e-5, 1e-5)) fail("input gradient differs");
+    if (!td::testing::all_close(sync->running_mean, bn->running_mean, 1e-5, 1e-6)) fail("running_mean differs");
+    if (!td::testing::all_close(sync->running_var, bn->running_var, 1e-5, 1e-6)) fail("running_var differs");
+    Tensor gw = sync->weight.grad().defined() ? sync->weight.grad().clone() : td::zeros({C});
+    Tensor gb = sync->bias.grad().defined() ? sync->bias.grad().clone() : td::zeros({C});
+    group->all_reduce(gw)->wait();
+    group->all_reduce(gb)->wait();
+    if (!td::testing::all_close(gw, bn->weight.grad(), 1e-5, 1e-5)) fail("weight gradient differs");
+    if (!td::testing::all_close(gb, bn->bias.grad(), 1e-5, 1e-5)) fail("bias gradient differs");
+  });
+}
+
 // SyncBatchNorm runs BatchNorm's own kernels: a channels-last input (what convolutions output)
 // stays channels-last, bf16 is read as it is, and the fused ReLU (forward_relu, what the CNN's
 // [BatchNorm2d, ReLU] pairs run) gives what BatchNorm2d gives on the global batch.
