@@ -32,6 +32,7 @@ struct Case {
   int64_t M, N, K;
   char ta, tb;
   bool bias, accumulate, c_bf16;
+  kernels::AmxOperandOrder order = kernels::AmxOperandOrder::automatic;
 };
 
 // Runs one case; returns the number of elements outside the bound (reports the first few).
@@ -49,7 +50,7 @@ int check_case(const Case& cs, uint64_t seed) {
   std::vector<float> cf = c0f;
   void* c = cs.c_bf16 ? static_cast<void*>(ch.data()) : static_cast<void*>(cf.data());
   kernels::amx_gemm_bf16(cs.ta, cs.tb, M, N, K, a.data(), lda, b.data(), ldb, cs.bias ? bias.data() : nullptr,
-                         cs.accumulate, c, cs.c_bf16, ldc);
+                         cs.accumulate, c, cs.c_bf16, ldc, false, cs.order);
   auto A = [&](int64_t i, int64_t k) { return bf16_value(cs.ta == 'N' ? a[i * lda + k] : a[k * lda + i]); };
   auto B = [&](int64_t k, int64_t j) { return bf16_value(cs.tb == 'N' ? b[k * ldb + j] : b[j * ldb + k]); };
   int bad = 0;
@@ -100,10 +101,15 @@ TEST_F(AmxGemm, EveryBlockingClassMatchesExactSum) {
           for (char tb : {'N', 'T'}) {
             // The three flags cycle through all 8 combinations across the shapes.
             const int64_t f = n++ % 8;
-            const Case cs{M, N, K, ta, tb, (f & 1) != 0, (f & 2) != 0, (f & 4) != 0};
-            SCOPED_TRACE(::testing::Message() << "M " << M << " N " << N << " K " << K << " " << ta << tb << " bias "
-                                              << cs.bias << " accumulate " << cs.accumulate << " bf16 c " << cs.c_bf16);
-            if (check_case(cs, seed) > 0) return;
+            // Also with the operands swapped (C^T = op(B)^T op(A)^T, written transposed), which
+            // the kernel picks itself only for large B.
+            for (auto order : {kernels::AmxOperandOrder::as_given, kernels::AmxOperandOrder::swapped}) {
+              const Case cs{M, N, K, ta, tb, (f & 1) != 0, (f & 2) != 0, (f & 4) != 0, order};
+              SCOPED_TRACE(::testing::Message() << "M " << M << " N " << N << " K " << K << " " << ta << tb << " bias "
+                                                << cs.bias << " accumulate " << cs.accumulate << " bf16 c " << cs.c_bf16
+                                                << " swapped " << (order == kernels::AmxOperandOrder::swapped));
+              if (check_case(cs, seed) > 0) return;
+            }
             seed += 3;
           }
         }
@@ -162,6 +168,55 @@ TEST_F(AmxGemm, LongKPacksBInSeveralColumnChunks) {
         }
       }
       seed += 2;
+    }
+  }
+}
+
+// Swapping the operands changes where each product is computed, not what: every element is the
+// same pairs of k summed in the same order, so the result is bit for bit the one as given — with
+// bias, accumulation, bf16 c and the bf16-rounded f32 c, over partial blocks. The shapes include
+// a Linear's forward on a batch of 64 and 128 (x W^T with W 1024 x 1024 / 1024 x 784), where
+// the kernel swaps on its own, and products whose B is packed in several column chunks while A's
+// blocks are read in place (K % 32 == 0, B over 512 KiB).
+TEST_F(AmxGemm, SwappedOperandsAndColumnChunksGiveTheSameBits) {
+  using kernels::AmxOperandOrder;
+  uint64_t seed = 2101;
+  for (const auto& [M, N, K] : {std::array<int64_t, 3>{128, 1024, 1024}, {64, 1024, 784}, {70, 300, 1024}, {33, 530, 992}}) {
+    for (char ta : {'N', 'T'}) {
+      for (char tb : {'N', 'T'}) {
+        const int64_t lda = (ta == 'N' ? K : M) + 32, ldb = (tb == 'N' ? N : K) + 32, ldc = N + 3;
+        const std::vector<uint16_t> a = random_bf16((ta == 'N' ? M : K) * lda, seed);
+        const std::vector<uint16_t> b = random_bf16((tb == 'N' ? K : N) * ldb, seed + 1);
+        const std::vector<uint16_t> old16 = random_bf16(M * ldc, seed + 2);
+        std::vector<float> bias(static_cast<size_t>(N)), old32(old16.size());
+        for (int64_t j = 0; j < N; ++j) bias[j] = bf16_value(old16[j]) * 0.5f;
+        for (size_t i = 0; i < old32.size(); ++i) old32[i] = bf16_value(old16[i]);
+        for (int f = 0; f < 8; ++f) {
+          const bool with_bias = (f & 1) != 0, accumulate = (f & 2) != 0;
+          const bool c_bf16 = (f & 4) != 0, round = !c_bf16 && with_bias;  // rounded f32 c in half the f32 cases
+          SCOPED_TRACE(::testing::Message() << M << " x " << N << " x " << K << " " << ta << tb << " flags " << f);
+          auto run = [&](AmxOperandOrder order) {
+            std::vector<uint16_t> c16 = old16;
+            std::vector<float> c32 = old32;
+            void* c = c_bf16 ? static_cast<void*>(c16.data()) : static_cast<void*>(c32.data());
+            kernels::amx_gemm_bf16(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, with_bias ? bias.data() : nullptr,
+                                   accumulate, c, c_bf16, ldc, round, order);
+            std::vector<uint32_t> bits(c_bf16 ? c16.size() : c32.size());
+            for (size_t i = 0; i < bits.size(); ++i) {
+              if (c_bf16) bits[i] = c16[i];
+              else std::memcpy(&bits[i], &c32[i], 4);
+            }
+            return bits;
+          };
+          const std::vector<uint32_t> given = run(AmxOperandOrder::as_given);
+          EXPECT_EQ(given, run(AmxOperandOrder::swapped));
+          EXPECT_EQ(given, run(AmxOperandOrder::automatic));
+        }
+        // And the product itself is right (as_given here takes several column chunks of B).
+        const Case cs{M, N, K, ta, tb, true, true, false, AmxOperandOrder::as_given};
+        if (check_case(cs, seed + 3) > 0) return;
+        seed += 5;
+      }
     }
   }
 }

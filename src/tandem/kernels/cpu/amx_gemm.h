@@ -31,16 +31,24 @@ bool amx_bf16_enabled();
 //   transb 'N': B(k, j) = b[k * ldb + j]     'T': B(k, j) = b[j * ldb + k]
 // Products are exact in f32 and summed in f32 (the hardware adds each pair of k, then the tile
 // accumulator over k in order; like oneDNN's AMX kernels, the tile product reads subnormal bf16
-// inputs as zero and flushes subnormal sums); bias (f32, N values, or null) and the old c are added to that sum
-// and the result is written once: f32, or bf16 rounded to nearest-even (subnormals included, bit
-// for bit as core/convert.h) when c_bf16 (bf16 c is read as bf16 when accumulating). With
-// `round_bf16` an f32 c receives that same bf16 rounding, stored widened back to f32: the values
-// a bf16 c converted to f32 would hold, in one pass (a bf16 gradient cast back to its f32
-// parameter's dtype). Requires amx_bf16_usable(). Splits blocks of 32 rows of C across the
-// intra-op thread pool.
+// inputs as zero and flushes subnormal sums); bias (f32, N values, or null) and the old c are
+// added to that sum (full 32 x 32 blocks of an f32 c without bias start the sum from the old c
+// instead) and the result is written once: f32, or bf16 rounded to nearest-even (subnormals
+// included, bit for bit as core/convert.h) when c_bf16 (bf16 c is read as bf16 when
+// accumulating). With `round_bf16` an f32 c receives that same bf16 rounding, stored widened back
+// to f32: the values a bf16 c converted to f32 would hold, in one pass (a bf16 gradient cast back
+// to its f32 parameter's dtype). Requires amx_bf16_usable(). Splits blocks of 32 rows of C across
+// the intra-op thread pool. `order`: the kernel may compute C^T = op(B)^T op(A)^T and write it
+// transposed (faster for a few rows of C against a large B: a Linear's forward on a small batch);
+// every element is the same sum in the same order either way, so the bits do not depend on it.
+enum class AmxOperandOrder {
+  automatic,  // swapped where that is faster (<= 128 rows of C against a B of >= 1 MiB stored transposed)
+  as_given,
+  swapped,  // computes C^T = op(B)^T op(A)^T and writes it transposed: the same bits
+};
 void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                    const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,
-                   int64_t ldc, bool round_bf16 = false);
+                   int64_t ldc, bool round_bf16 = false, AmxOperandOrder order = AmxOperandOrder::automatic);
 
 // The same product (no bias) for kernels that tile their own loops (attention): runs on the
 // calling thread only and outside the GEMM kernel timer.
