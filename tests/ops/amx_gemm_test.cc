@@ -33,12 +33,13 @@ struct Case {
   char ta, tb;
   bool bias, accumulate, c_bf16;
   kernels::AmxOperandOrder order = kernels::AmxOperandOrder::automatic;
+  int64_t lda_pad = 3;  // A's row stride beyond its stored width
 };
 
 // Runs one case; returns the number of elements outside the bound (reports the first few).
 int check_case(const Case& cs, uint64_t seed) {
   const int64_t M = cs.M, N = cs.N, K = cs.K;
-  const int64_t lda = (cs.ta == 'N' ? K : M) + 3, ldb = (cs.tb == 'N' ? N : K) + 5, ldc = N + 2;
+  const int64_t lda = (cs.ta == 'N' ? K : M) + cs.lda_pad, ldb = (cs.tb == 'N' ? N : K) + 5, ldc = N + 2;
   const std::vector<uint16_t> a = random_bf16((cs.ta == 'N' ? M : std::max<int64_t>(K, 1)) * lda, seed);
   const std::vector<uint16_t> b = random_bf16((cs.tb == 'N' ? std::max<int64_t>(K, 1) : N) * ldb, seed + 1);
   const std::vector<uint16_t> c0h = random_bf16(M * ldc, seed + 2);
@@ -218,6 +219,24 @@ TEST_F(AmxGemm, SwappedOperandsAndColumnChunksGiveTheSameBits) {
         seed += 5;
       }
     }
+  }
+}
+
+// A packed whole before the products: stored transposed with K >= 256 (K not a multiple of 32,
+// a partial last block of rows), and row-major on a row stride of 1 KiB multiples against 512 or
+// more columns (where the kernel copies it to a padded stride). Exact-sum bound as above.
+TEST_F(AmxGemm, AWholePackedOrCopiedMatchesExactSum) {
+  uint64_t seed = 3101;
+  const Case cases[] = {
+      {70, 100, 300, 'T', 'N', true, true, false},  {70, 100, 300, 'T', 'T', false, false, true},
+      {33, 40, 1024, 'T', 'N', false, true, false}, {70, 530, 512, 'N', 'N', true, false, false, {}, 0},
+      {64, 512, 512, 'N', 'T', false, true, true, {}, 0}, {70, 530, 512, 'N', 'T', true, true, false, {}, 512},
+  };
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(::testing::Message() << cs.M << " x " << cs.N << " x " << cs.K << " " << cs.ta << cs.tb << " lda pad "
+                                      << cs.lda_pad);
+    if (check_case(cs, seed) > 0) return;
+    seed += 3;
   }
 }
 

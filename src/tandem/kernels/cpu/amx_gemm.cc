@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -38,6 +39,10 @@ constexpr int64_t kPanelRow = 64;  // u16 per packed-B panel row (32 columns x 2
 // amx_gemm_bf16 swaps the operands for at most kSwapMaxM rows of C against a B of at least
 // kSwapMinB values (1 MiB of bf16); see swap_operands.
 constexpr int64_t kSwapMaxM = 128;
+// run_gemm packs A whole before the products when it is stored transposed with K >= kPackAllMinK,
+// or row-major on a stride of a multiple of 1 KiB against N >= kCopyMinN columns.
+constexpr int64_t kPackAllMinK = 256;
+constexpr int64_t kCopyMinN = 512;
 constexpr int64_t kSwapMinB = int64_t{1} << 19;
 
 struct alignas(64) TileConfig {
@@ -133,26 +138,50 @@ TANDEM_AMX void pack_a_rowmajor(const uint16_t* a, int64_t lda, int64_t M, int64
   }
 }
 
-// Rows m0..m0+31 of A stored transposed (at: K x M, row stride lda) into a packed block (32 x
-// Kp): pairs of at's rows 2p, 2p+1 give 32-bit words (A(i, 2p), A(i, 2p+1)) along i, transposed
-// 16 x 16 into A's rows; rows at or past M are zeros. Packed per block, just before its products,
-// so the block is written into L1 and read from there (the block's 32 columns of at, one cache line
-// per row of at, are prefetched during the previous block).
+// Rows m0..m0+31, k values k0..k0+31 of A stored transposed (at: K x M, row stride lda) into
+// rows of a packed block (row stride Kp, starting at column k0); rows at or past M are zeros. Each
+// of at's 32 rows is read once, 32 values (one cache line), and each pair of rows 2p, 2p+1 is
+// interleaved into 32-bit words (A(i, 2p), A(i, 2p+1)): unpacklo gives the words of columns
+// 8l..8l+3 of each 128-bit lane l, unpackhi those of 8l+4..8l+7. Sixteen such registers
+// transposed 16 x 16 are 16 rows of A, each stored to the row it belongs to.
+TANDEM_AMX void pack_a_transposed_tile(const uint16_t* at, int64_t lda, int64_t M, int64_t K, int64_t m0, int64_t k0,
+                                       int64_t Kp, uint16_t* dst) {
+  const __mmask32 cols = mask32(M - m0);
+  __m512i lo[16], hi[16];
+  for (int64_t p = 0; p < 16; ++p) {
+    const int64_t k = k0 + 2 * p;
+    const __m512i r0 = k < K ? _mm512_maskz_loadu_epi16(cols, at + k * lda + m0) : _mm512_setzero_si512();
+    const __m512i r1 = k + 1 < K ? _mm512_maskz_loadu_epi16(cols, at + (k + 1) * lda + m0) : _mm512_setzero_si512();
+    lo[p] = _mm512_unpacklo_epi16(r0, r1);
+    hi[p] = _mm512_unpackhi_epi16(r0, r1);
+  }
+  transpose16x16_epi32(lo);
+  transpose16x16_epi32(hi);
+  for (int64_t q = 0; q < 16; ++q) {
+    const int64_t i = 8 * (q / 4) + q % 4;  // the column of at (row of A) in 32-bit lane q of unpacklo
+    _mm512_storeu_si512(dst + i * Kp + k0, lo[q]);
+    _mm512_storeu_si512(dst + (i + 4) * Kp + k0, hi[q]);
+  }
+}
+
+// One block (rows m0..m0+31 of A, all of K) from at, packed just before its products, so the
+// block is written into L1 and read from there (its 32 columns of at are prefetched during the
+// previous block). Used for short K; longer ones are packed whole first (pack_a_transposed_all).
 TANDEM_AMX void pack_a_transposed(const uint16_t* at, int64_t lda, int64_t M, int64_t K, int64_t m0, int64_t Kp,
                                   uint16_t* dst) {
-  __m512i r[16];
-  for (int64_t s = 0; s < kBlock; s += 16) {
-    const __mmask16 mm = mask16(M - (m0 + s));
-    for (int64_t k0 = 0; k0 < Kp; k0 += kTileK) {
-      for (int64_t p = 0; p < 16; ++p) {
-        const int64_t k = k0 + 2 * p;
-        const uint16_t* lo = mm != 0 && k < K ? at + k * lda + m0 + s : nullptr;
-        const uint16_t* hi = mm != 0 && k + 1 < K ? at + (k + 1) * lda + m0 + s : nullptr;
-        r[p] = pairs16(lo, hi, mm);
-      }
-      transpose16x16_epi32(r);
-      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (s + i) * Kp + k0, r[i]);
-    }
+  for (int64_t k0 = 0; k0 < Kp; k0 += kTileK) pack_a_transposed_tile(at, lda, M, K, m0, k0, Kp, dst);
+}
+
+// K tiles kt_lo..kt_hi-1 of every block of A from at into `dst` (Mp x Kp, block after block): at's
+// rows are read front to back, 32 at a time, each across its whole width, which the hardware
+// prefetchers follow. Walking one block's 32 columns down all of K instead reads one cache line
+// per row of at; with rows 2 or 4 KiB apart those lines share a few cache sets, evict each other
+// and the packing stalls on memory (1024 x 1024 A: ~270 us instead of ~60).
+TANDEM_AMX void pack_a_transposed_all(const uint16_t* at, int64_t lda, int64_t M, int64_t K, int64_t kt_lo,
+                                      int64_t kt_hi, int64_t ldd, uint16_t* dst) {
+  const int64_t Mp = round_up(M, kBlock);
+  for (int64_t kt = kt_lo; kt < kt_hi; ++kt) {
+    for (int64_t m0 = 0; m0 < Mp; m0 += kBlock) pack_a_transposed_tile(at, lda, M, K, m0, kt * kTileK, ldd, dst + m0 * ldd);
   }
 }
 
@@ -316,7 +345,7 @@ struct Buffer {
   }
 };
 struct Buffers {
-  Buffer b, block;
+  Buffer a, b, block;
 };
 
 Buffers& buffers() {
@@ -416,12 +445,42 @@ void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const u
     else if (begin < end) fn(begin, end);
   };
   const int64_t Kp = round_up(K, kTileK), Mp = round_up(M, kBlock);
+  // A is packed whole into rows 64 bytes longer than Kp before the products, then read in place,
+  // in two cases. Stored transposed with a long K (pack_a_transposed_all says why): 1024 x 256 x
+  // 1024 857 -> 575 us, 256 x 1024 x 1024 826 -> 577, 1024^3 2880 -> 2036 (one core, c f32).
+  // Row-major with a row stride that is a multiple of 1 KiB, against many panels of B: every
+  // tile load of 16 rows then falls into a few L1 sets, once per panel; a copy with a padded
+  // stride costs less from 512 columns of C on (1024^3 2330 -> 2039 us, 256 x 1024 x 1024 674 ->
+  // 550; with 128 columns, a swapped Linear forward, the copy would cost more than it saves).
+  // The padding keeps the packed rows off power-of-two strides too.
+  bool a_packed = false;
+  const int64_t ld_packed = Kp + kTileK;
+  if (transa == 'T' && K >= kPackAllMinK) {
+    uint16_t* ap = buffers().a.get(Mp * ld_packed);
+    parallel_for(0, Kp / kTileK, 1,
+                 [&](int64_t lo, int64_t hi) { pack_a_transposed_all(a, lda, M, K, lo, hi, ld_packed, ap); });
+    a_packed = true;
+    transa = 'N';
+    a = ap;
+    lda = ld_packed;
+  } else if (transa == 'N' && K % kTileK == 0 && (lda * 2) % 1024 == 0 && M >= 2 * kBlock && N >= kCopyMinN) {
+    uint16_t* ap = buffers().a.get(Mp * ld_packed);
+    const uint16_t* src = a;
+    const int64_t ld_src = lda;
+    parallel_for(0, M, kBlock, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) std::memcpy(ap + r * ld_packed, src + r * ld_src, static_cast<size_t>(K) * 2);
+    });
+    a_packed = true;
+    a = ap;
+    lda = ld_packed;
+  }
   // B is packed in chunks of columns. When A's blocks are read in place (row-major, K % 32 == 0)
   // a chunk is at most 512 KiB, so that it stays in L2 while every block of rows runs against it
   // (1024 x 1024 x 1024: 2604 -> 2269 us; 128 x 1024 x 1024: 452 -> 381 us on one core). A packed
   // per block is packed again for every chunk, so there chunks are ~4 MiB: only a huge product
   // (a vocabulary projection) takes several, which keeps the buffer bounded.
-  const int64_t chunk_bytes = transa == 'N' && K % kTileK == 0 ? int64_t{1} << 19 : int64_t{4} << 20;
+  const bool in_place = a_packed || (transa == 'N' && K % kTileK == 0);
+  const int64_t chunk_bytes = in_place ? int64_t{1} << 19 : int64_t{4} << 20;
   const int64_t chunk = Kp == 0 ? round_up(N, kBlock)
                                 : std::max<int64_t>(kBlock, chunk_bytes / (Kp * 2) / kBlock * kBlock);
   uint16_t* bp = buffers().b.get(std::min(round_up(N, kBlock), chunk) * Kp);
@@ -446,7 +505,7 @@ void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const u
                      transa,
                      a,
                      lda,
-                     transa == 'N' && K % kTileK == 0,
+                     in_place,
                      bp,
                      bias != nullptr && !c_trans ? bias + n0 : bias,
                      accumulate,
