@@ -39,11 +39,11 @@ constexpr int64_t kPanelRow = 64;  // u16 per packed-B panel row (32 columns x 2
 // amx_gemm_bf16 swaps the operands for at most kSwapMaxM rows of C against a B of at least
 // kSwapMinB values (1 MiB of bf16); see swap_operands.
 constexpr int64_t kSwapMaxM = 128;
+constexpr int64_t kSwapMinB = int64_t{1} << 19;
 // run_gemm packs A whole before the products when it is stored transposed with K >= kPackAllMinK,
 // or row-major on a stride of a multiple of 1 KiB against N >= kCopyMinN columns.
 constexpr int64_t kPackAllMinK = 256;
 constexpr int64_t kCopyMinN = 512;
-constexpr int64_t kSwapMinB = int64_t{1} << 19;
 
 struct alignas(64) TileConfig {
   uint8_t palette;
@@ -176,7 +176,8 @@ TANDEM_AMX void pack_a_transposed(const uint16_t* at, int64_t lda, int64_t M, in
 // rows are read front to back, 32 at a time, each across its whole width, which the hardware
 // prefetchers follow. Walking one block's 32 columns down all of K instead reads one cache line
 // per row of at; with rows 2 or 4 KiB apart those lines share a few cache sets, evict each other
-// and the packing stalls on memory (1024 x 1024 A: ~270 us instead of ~60).
+// and the packing stalls on memory (a 1024 x 1024 A, rows 2 KiB apart: ~310 us per product,
+// ~180 us packed whole).
 TANDEM_AMX void pack_a_transposed_all(const uint16_t* at, int64_t lda, int64_t M, int64_t K, int64_t kt_lo,
                                       int64_t kt_hi, int64_t ldd, uint16_t* dst) {
   const int64_t Mp = round_up(M, kBlock);
@@ -522,11 +523,7 @@ void run_gemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const u
   }
 }
 
-}  // namespace
-
-namespace {
-
-bool swap_operands(char transa, char transb, int64_t M, int64_t N, int64_t K, AmxOperandOrder order) {
+bool swap_operands(char transb, int64_t M, int64_t N, int64_t K, AmxOperandOrder order) {
   if (order != AmxOperandOrder::automatic) return order == AmxOperandOrder::swapped;
   // A few rows of C against a large B stored transposed (a Linear's forward, x W^T, on a small
   // batch): as given, the whole of B (MiBs) is packed for at most four blocks of 32 rows;
@@ -535,7 +532,6 @@ bool swap_operands(char transa, char transb, int64_t M, int64_t N, int64_t K, Am
   // 388 -> 314 us, 128 x 1024 x 784 299 -> 236, 64 x 1024 x 1024 197 -> 159; losses: 256 rows
   // (514 -> 595), a B of 256 KiB (128 x 256 x 256: 16 -> 18). Not for B row-major: its rows as A'
   // would be packed transposed per block, which costs more than it saves.
-  (void)transa;
   return transb == 'T' && M <= kSwapMaxM && N >= 2 * M && N * K >= kSwapMinB && K >= kTileK;
 }
 
@@ -566,7 +562,7 @@ void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, co
                    int64_t ldc, bool round_bf16, AmxOperandOrder order) {
   const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(std::max<int64_t>(M, 0)) *
                                                 static_cast<double>(std::max<int64_t>(N, 0) * K));
-  if (swap_operands(transa, transb, M, N, K, order)) {
+  if (swap_operands(transb, M, N, K, order)) {
     // C^T = op(B)^T op(A)^T: B's rows are the blocks of A' (read in place or packed per block,
     // once), A is the packed B' (small), and C^T is written transposed into c.
     run_gemm(transb == 'T' ? 'N' : 'T', transa == 'N' ? 'T' : 'N', N, M, K, b, ldb, a, lda, bias, accumulate, c, c_bf16,
