@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -707,73 +708,57 @@ TEST(DDP, KilledRankTurnsIntoAnErrorOnEverySurvivorWithinTwiceTheTimeout) {
 // SyncBatchNorm.
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// SyncBatchNorm on ranks holding rows [start, start + n) of a global batch of x (n = sizes[rank])
+// against BatchNorm2d on the whole batch: output, input gradient, running stats, and the parameter
+// gradients summed over the ranks (DDP sums/averages them). f32 data, statistics in f64 on one
+// side and f32 accumulation on the other: 1e-5.
+void expect_sync_bn_equals_global_batch_norm(const std::shared_ptr<ProcessGroup>& group, const std::vector<int64_t>& sizes,
+                                             int64_t C, uint64_t seed) {
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  td::Generator gen(seed);
+  Tensor x = td::randn({total, C, 5, 5}, td::kFloat32, &gen), gy = td::randn({total, C, 5, 5}, td::kFloat32, &gen);
+  const int64_t start = std::accumulate(sizes.begin(), sizes.begin() + group->rank(), int64_t{0});
+  const int64_t n = sizes[static_cast<size_t>(group->rank())];
+
+  td::manual_seed(0);
+  auto sync = std::make_shared<td::parallel::SyncBatchNorm>(C, group);
+  Tensor xr = x.narrow(0, start, n).contiguous().requires_grad_();
+  Tensor y = sync->forward(xr);
+  td::ops::sum(td::ops::mul(y, gy.narrow(0, start, n).contiguous())).backward();
+
+  td::manual_seed(0);
+  auto bn = std::make_shared<td::nn::BatchNorm2d>(C);
+  Tensor xg = x.clone().requires_grad_();
+  Tensor yg = bn->forward(xg);
+  td::ops::sum(td::ops::mul(yg, gy)).backward();
+
+  if (y.size(0) != n) fail("output rows differ from input rows");
+  if (!td::testing::all_close(y, yg.narrow(0, start, n), 1e-5, 1e-5)) fail("forward differs");
+  if (!td::testing::all_close(xr.grad(), xg.grad().narrow(0, start, n), 1e-5, 1e-5)) fail("input gradient differs");
+  if (!td::testing::all_close(sync->running_mean, bn->running_mean, 1e-5, 1e-6)) fail("running_mean differs");
+  if (!td::testing::all_close(sync->running_var, bn->running_var, 1e-5, 1e-6)) fail("running_var differs");
+  Tensor gw = sync->weight.grad().defined() ? sync->weight.grad().clone() : td::zeros({C});
+  Tensor gb = sync->bias.grad().defined() ? sync->bias.grad().clone() : td::zeros({C});
+  group->all_reduce(gw)->wait();
+  group->all_reduce(gb)->wait();
+  if (!td::testing::all_close(gw, bn->weight.grad(), 1e-5, 1e-5)) fail("weight gradient differs");
+  if (!td::testing::all_close(gb, bn->bias.grad(), 1e-5, 1e-5)) fail("bias gradient differs");
+}
+
+}  // namespace
+
 TEST(SyncBatchNorm, UnequalPerRankBatchesEqualBatchNormOnTheConcatenatedBatch) {
-  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
-    const int64_t sizes[2] = {3, 5}, C = 4;
-    td::Generator gen(9);
-    Tensor x = td::randn({8, C, 5, 5}, td::kFloat32, &gen), gy = td::randn({8, C, 5, 5}, td::kFloat32, &gen);
-    const int64_t start = group->rank() == 0 ? 0 : sizes[0], n = sizes[group->rank()];
-
-    td::manual_seed(0);
-    auto sync = std::make_shared<td::parallel::SyncBatchNorm>(C, group);
-    Tensor xr = x.narrow(0, start, n).contiguous().requires_grad_();
-    Tensor y = sync->forward(xr);
-    td::ops::sum(td::ops::mul(y, gy.narrow(0, start, n).contiguous())).backward();
-
-    td::manual_seed(0);
-    auto bn = std::make_shared<td::nn::BatchNorm2d>(C);
-    Tensor xg = x.clone().requires_grad_();
-    Tensor yg = bn->forward(xg);
-    td::ops::sum(td::ops::mul(yg, gy)).backward();
-
-    // f32 data, statistics in f64 on one side and f32 accumulation on the other: 1e-5.
-    if (!td::testing::all_close(y, yg.narrow(0, start, n), 1e-5, 1e-5)) fail("forward differs");
-    if (!td::testing::all_close(xr.grad(), xg.grad().narrow(0, start, n), 1e-5, 1e-5)) fail("input gradient differs");
-    if (!td::testing::all_close(sync->running_mean, bn->running_mean, 1e-5, 1e-6)) fail("running_mean differs");
-    if (!td::testing::all_close(sync->running_var, bn->running_var, 1e-5, 1e-6)) fail("running_var differs");
-    // Parameter gradients are per rank (DDP sums/averages them): their sum is the global one.
-    Tensor gw = sync->weight.grad().clone(), gb = sync->bias.grad().clone();
-    group->all_reduce(gw)->wait();
-    group->all_reduce(gb)->wait();
-    if (!td::testing::all_close(gw, bn->weight.grad(), 1e-5, 1e-5)) fail("weight gradient differs");
-    if (!td::testing::all_close(gb, bn->bias.grad(), 1e-5, 1e-5)) fail("bias gradient differs");
-  });
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) { expect_sync_bn_equals_global_batch_norm(group, {3, 5}, 4, 9); });
 }
 
 // A rank whose batch is empty this step (the tail of an uneven dataset) still takes part in the
-// collectives with a count of zero, as torch.nn.SyncBatchNorm does: the others normalise with
-// the statistics of the values that exist, and its empty output and input gradient are fine.
+// collectives with a count of zero, as torch.nn.SyncBatchNorm does: no NaN from its 0/0 mean, no
+// hang; the others normalise with the statistics of the values that exist, and its empty output
+// and input gradient are fine.
 TEST(SyncBatchNorm, ARankWithAnEmptyBatchContributesNothing) {
-  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
-    const int64_t C = 3;
-    td::Generator gen(4);
-    Tensor x = td::randn({6, C, 2, 2}, td::kFloat32, &gen), gy = td::randn({6, C, 2, 2}, td::kFloat32, &gen);
-    const int64_t start = 0, n = group->rank() == 0 ? 0 : 6;
-
-    td::manual_seed(0);
-    auto sync = std::make_shared<td::parallel::SyncBatchNorm>(C, group);
-    Tensor xr = x.narrow(0, start, n).contiguous().requires_grad_();
-    Tensor y = sync->forward(xr);
-    td::ops::sum(td::ops::mul(y, gy.narrow(0, start, n).contiguous())).backward();
-
-    td::manual_seed(0);
-    auto bn = std::make_shared<td::nn::BatchNorm2d>(C);
-    Tensor xg = x.clone().requires_grad_();
-    Tensor yg = bn->forward(xg);
-    td::ops::sum(td::ops::mul(yg, gy)).backward();
-
-    if (y.size(0) != n) fail("output rows differ from input rows");
-    if (!td::testing::all_close(y, yg.narrow(0, start, n), 1e-5, 1e-5)) fail("forward differs");
-    if (!td::testing::all_close(xr.grad(), xg.grad().narrow(0, start, n), 1e-5, 1e-5)) fail("input gradient differs");
-    if (!td::testing::all_close(sync->running_mean, bn->running_mean, 1e-5, 1e-6)) fail("running_mean differs");
-    if (!td::testing::all_close(sync->running_var, bn->running_var, 1e-5, 1e-6)) fail("running_var differs");
-    Tensor gw = sync->weight.grad().defined() ? sync->weight.grad().clone() : td::zeros({C});
-    Tensor gb = sync->bias.grad().defined() ? sync->bias.grad().clone() : td::zeros({C});
-    group->all_reduce(gw)->wait();
-    group->all_reduce(gb)->wait();
-    if (!td::testing::all_close(gw, bn->weight.grad(), 1e-5, 1e-5)) fail("weight gradient differs");
-    if (!td::testing::all_close(gb, bn->bias.grad(), 1e-5, 1e-5)) fail("bias gradient differs");
-  });
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) { expect_sync_bn_equals_global_batch_norm(group, {0, 6}, 3, 4); });
 }
 
 // SyncBatchNorm runs BatchNorm's own kernels: a channels-last input (what convolutions output)

@@ -285,33 +285,26 @@ TANDEM_AMX void write_block(const float* s, int64_t rows, int64_t cols, const fl
   }
 }
 
-// The full 32 x 32 f32 block of c at `c` (row stride ldc), transposed into s (row stride 32):
-// s(i, j) = c[j * ldc + i].
-TANDEM_AMX void load_transposed(const float* c, int64_t ldc, float* s) {
+// dst(j, i) = src(i, j) for i < rows, j < cols (each rounded up to 16; up to 32), in 16 x 16
+// quarters; src has row stride ld, dst row stride 32 (64-byte aligned).
+TANDEM_AMX void transpose_block(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
   __m512i r[16];
-  for (int64_t bi = 0; bi < kBlock; bi += 16) {
-    for (int64_t bj = 0; bj < kBlock; bj += 16) {
-      for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(c + (bj + j) * ldc + bi);
+  for (int64_t bi = 0; bi < rows; bi += 16) {
+    for (int64_t bj = 0; bj < cols; bj += 16) {
+      for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (bi + i) * ld + bj);
       transpose16x16_epi32(r);
-      for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(s + (bi + i) * kBlock + bj, r[i]);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_si512(dst + (bj + j) * kBlock + bi, r[j]);
     }
   }
 }
 
 // The block s (rows x cols, row stride 32) written transposed: s(r, j) goes to c[j * ldc + r].
-// Transposed in 16 x 16 quarters into a second scratch, then written by write_block, whose
-// per-column bias is then the caller's per-row one.
+// Transposed into a second scratch, then written by write_block, whose per-column bias is then
+// the caller's per-row one.
 TANDEM_AMX void write_block_transposed(const float* s, int64_t rows, int64_t cols, const float* bias, bool accumulate,
                                        void* c, bool c_bf16, bool round_bf16, int64_t ldc) {
   alignas(64) float t[kBlock * kBlock];
-  __m512i r[16];
-  for (int64_t bi = 0; bi < rows; bi += 16) {
-    for (int64_t bj = 0; bj < cols; bj += 16) {
-      for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_load_si512(s + (bi + i) * kBlock + bj);
-      transpose16x16_epi32(r);
-      for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(t + (bj + i) * kBlock + bi, r[i]);
-    }
-  }
+  transpose_block(s, kBlock, rows, cols, t);
   write_block(t, cols, rows, bias, accumulate, c, c_bf16, round_bf16, ldc);
 }
 
@@ -405,7 +398,8 @@ TANDEM_AMX void compute_blocks(const Problem& pr, int64_t mb_lo, int64_t mb_hi) 
       const bool preload = full_f32 && pr.accumulate;
       float* target = direct ? reinterpret_cast<float*>(cblock) : scratch;
       const int64_t ld = direct ? pr.ldc : kBlock;
-      if (preload && !direct) load_transposed(reinterpret_cast<const float*>(cblock), pr.ldc, scratch);
+      // The full block of c (rows of c are its columns here), transposed into the scratch.
+      if (preload && !direct) transpose_block(reinterpret_cast<const float*>(cblock), pr.ldc, kBlock, kBlock, scratch);
       if (preload) load_accumulators(target, ld);
       else zero_accumulators();
       block_product(a0, a0 + 16 * a_stride, a_stride * 2, panel, kblocks, pf);
