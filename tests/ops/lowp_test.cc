@@ -427,6 +427,27 @@ TEST(LowPrecision, Linear) {
   }
 }
 
+// A bf16 Linear's bias gradient is the column sum of the output gradient, summed in f32 from the
+// exact widened values and rounded to bf16 once: bit for bit, for several columns (the vectorised
+// channel sum) and for one (the per-row path). A dropped row or a misplaced column fails it; the
+// order of the f32 additions is below bf16's resolution here.
+TEST(LowPrecision, LinearBiasGradientIsTheF32ColumnSumRoundedOnce) {
+  for (const int64_t N : {50, 1}) {
+    const int64_t M = 37, K = 8;
+    const Tensor x = leaf({M, K}, -1, 1, 61).to(kBFloat16);
+    const Tensor w = leaf({N, K}, -1, 1, 62).to(kBFloat16);
+    const Tensor b = leaf({N}, -1, 1, 63).to(kBFloat16).detach().requires_grad_();
+    const Tensor g = leaf({M, N}, -4, 4, 64).to(kBFloat16).detach();
+    ops::linear(x, w, b).backward(g);
+    std::vector<float> acc(static_cast<size_t>(N), 0.0f);
+    const std::vector<double> gv = g.to_vector();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < N; ++c) acc[c] += static_cast<float>(gv[r * N + c]);
+    std::vector<double> want(acc.begin(), acc.end());
+    EXPECT_EQ(b.grad().to_vector(), Tensor(tensor(want, {N})).to(kBFloat16).to_vector()) << "N " << N;
+  }
+}
+
 // ---------------------------------------------------------------- losses
 
 TEST(LowPrecision, CrossEntropyComputesInF32) {

@@ -4,6 +4,7 @@
 
 #include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
+#include "tandem/kernels/cpu/channel_math.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/row_math.h"
@@ -35,12 +36,18 @@ Tensor mm_raw(const Tensor& a, const Tensor& b) {
 Tensor bias_grad(const Tensor& g2, int64_t N) {
   if (!is_reduced_float(g2.dtype()) || !g2.is_contiguous()) return sum_to(g2, {N});
   const int64_t M = g2.size(0);
-  std::vector<float> acc(static_cast<size_t>(N), 0.0f), row(static_cast<size_t>(N));
-  const char* p = static_cast<const char*>(g2.data_ptr());
-  const size_t es = g2.element_size();
-  for (int64_t r = 0; r < M; ++r) {
-    convert(p + static_cast<size_t>(r * N) * es, g2.dtype(), row.data(), kFloat32, N);
-    kernels::add_into_f32(acc.data(), row.data(), N);
+  std::vector<float> acc(static_cast<size_t>(N), 0.0f);
+  if (g2.dtype() == kBFloat16 && N > 1) {
+    // The same sums in the same order (each column row by row), each row widened in registers.
+    kernels::channel_sum(static_cast<const bfloat16*>(g2.data_ptr()), M, N, acc.data());
+  } else {
+    std::vector<float> row(static_cast<size_t>(N));
+    const char* p = static_cast<const char*>(g2.data_ptr());
+    const size_t es = g2.element_size();
+    for (int64_t r = 0; r < M; ++r) {
+      convert(p + static_cast<size_t>(r * N) * es, g2.dtype(), row.data(), kFloat32, N);
+      kernels::add_into_f32(acc.data(), row.data(), N);
+    }
   }
   Tensor out = empty({N}, g2.dtype());
   convert(acc.data(), kFloat32, out.data_ptr(), g2.dtype(), N);
