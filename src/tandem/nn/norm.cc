@@ -37,7 +37,7 @@ Tensor BatchNorm::forward_impl(const Tensor& x, bool relu) {
   }
   if (is_training() && group_stats) {
     return ops::batch_norm_over_group(x, update ? running_mean : Tensor(), update ? running_var : Tensor(), weight, bias,
-                                      update ? running_average_factor() : 0.0, options.eps, relu, *group_stats);
+                                      update ? running_average_factor() : 0.0, options.eps, relu, group_stats);
   }
   return (relu ? ops::batch_norm_relu : ops::batch_norm)(x, update || !use_batch_stats ? running_mean : Tensor(),
                          update || !use_batch_stats ? running_var : Tensor(), weight, bias, use_batch_stats,

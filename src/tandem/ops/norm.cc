@@ -12,7 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <mutex>
-#include <optional>
+#include <memory>
 #include <vector>
 
 #include "tandem/amp/policy.h"
@@ -215,7 +215,7 @@ namespace {
 // group (SyncBatchNorm, training only): the statistics and the backward sums are the group's.
 Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                        const Tensor& bias, bool training, double momentum, double eps, bool relu,
-                       const BatchNormGroupStats* group = nullptr) {
+                       std::shared_ptr<const BatchNormGroupStats> group = nullptr) {
   TANDEM_CHECK(x_in.dim() >= 2, ShapeError, "batch_norm: expected an input of shape (N, C, *), got {}",
                shape_str(x_in.shape()));
   TANDEM_CHECK(is_floating(x_in.dtype()), DTypeError, "batch_norm: expected a floating input, got {}",
@@ -304,7 +304,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   });
   std::vector<Tensor> inputs{x_in, weight, bias};
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", inputs, {y},
-         [x, l, mean, invstd, w, training, total, grp = group ? std::make_optional(*group) : std::nullopt, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
+         [x, l, mean, invstd, w, training, total, grp = group, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
           bdt = bias.defined() ? bias.dtype() : kFloat32, out = relu ? y.detach() : Tensor()](const G& g) {
            Tensor gy = g[0];
            if (gy.strides() != x.strides()) {
@@ -420,9 +420,11 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& running_mean, const Tensor
 
 Tensor batch_norm_over_group(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
                              const Tensor& weight, const Tensor& bias, double momentum, double eps, bool relu,
-                             const BatchNormGroupStats& group) {
-  TANDEM_CHECK(group.stats && group.grad_sums, ValueError, "batch_norm_over_group: both group hooks must be set");
-  return batch_norm_impl(x, running_mean, running_var, weight, bias, /*training=*/true, momentum, eps, relu, &group);
+                             std::shared_ptr<const BatchNormGroupStats> group) {
+  TANDEM_CHECK(group && group->stats && group->grad_sums, ValueError,
+               "batch_norm_over_group: both group hooks must be set");
+  return batch_norm_impl(x, running_mean, running_var, weight, bias, /*training=*/true, momentum, eps, relu,
+                         std::move(group));
 }
 
 namespace {

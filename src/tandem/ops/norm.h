@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "tandem/core/tensor.h"
@@ -40,7 +41,7 @@ struct BatchNormGroupStats {
 // dtypes as batch_norm.
 Tensor batch_norm_over_group(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
                              const Tensor& weight, const Tensor& bias, double momentum, double eps, bool relu,
-                             const BatchNormGroupStats& group);
+                             std::shared_ptr<const BatchNormGroupStats> group);
 
 // Normalises over the last normalized_shape.size() dims; weight/bias optional of that shape.
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = Tensor(),
