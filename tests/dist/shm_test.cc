@@ -474,6 +474,96 @@ TEST(Shm, SixteenBitKernelsMatchGenericLoopsAndScalarModelBitForBit) {
   }
 }
 
+// reduce_arrays_to (what the push all_reduce calls: its own buffer plus every peer's) stores the
+// same bits as reduce_arrays into every output, for every dtype, through the one-pass AVX-512
+// kernels (f32, bf16, f16) and the piecewise fallback (the others, 16 KiB pieces: 20000 f32 or
+// i32 elements are five), also when the outputs are inputs, as in the backend.
+bool same_element(DType d, const uint8_t* a, const uint8_t* b) {
+  const size_t es = element_size(d);
+  if (std::memcmp(a, b, es) == 0) return true;
+  if (d == DType::f32 || d == DType::f64 || d == DType::bf16 || d == DType::f16) {
+    return std::isnan(get(a, d, 0)) && std::isnan(get(b, d, 0));
+  }
+  return false;
+}
+
+TEST(Shm, ReduceArraysToStoresTheSameBitsIntoEveryOutput) {
+  std::mt19937 gen(11);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<double> mod(-4.0, 4.0);
+  const ReduceOp ops[] = {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::PRODUCT, ReduceOp::MAX, ReduceOp::MIN};
+  for (DType d : {DType::f32, DType::bf16, DType::f16, DType::f64, DType::i32, DType::i64, DType::u8}) {
+    SCOPED_TRACE(tandem::dist::shm::short_dtype_name(d));
+    const size_t es = element_size(d);
+    for (int nin : {1, 2, 3}) {
+      for (int64_t count : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{33}, int64_t{20000}}) {
+        const size_t nb = static_cast<size_t>(count) * es;
+        // Half the elements random bits (NaN, inf, subnormals), half moderate values.
+        std::vector<std::vector<uint8_t>> in(static_cast<size_t>(nin), std::vector<uint8_t>(nb));
+        for (auto& v : in) {
+          for (auto& x : v) x = static_cast<uint8_t>(byte(gen));
+          for (int64_t i = 1; i < count; i += 2) {
+            put(v.data(), d, i, is_floating(d) ? std::round(mod(gen) * 64) / 64 : std::floor((mod(gen) + 4) * 10));
+          }
+        }
+        std::vector<const void*> ptrs;
+        for (auto& v : in) ptrs.push_back(v.data());
+        for (ReduceOp op : ops) {
+          std::vector<uint8_t> want(nb);
+          tandem::dist::shm::reduce_arrays(want.data(), ptrs.data(), nin, count, d, op, nin);
+          if (op == ReduceOp::AVG && (d == DType::f32 || d == DType::f64)) {
+            // A power-of-two divisor is a multiplication by its reciprocal: still the bits of a
+            // left-to-right sum divided once.
+            for (int64_t i = 0; i < count; ++i) {
+              std::vector<uint8_t> model(es);
+              if (d == DType::f32) {
+                float acc = static_cast<const float*>(ptrs[0])[i];
+                for (int k = 1; k < nin; ++k) acc = acc + static_cast<const float*>(ptrs[static_cast<size_t>(k)])[i];
+                acc = acc / static_cast<float>(nin);
+                std::memcpy(model.data(), &acc, es);
+              } else {
+                double acc = static_cast<const double*>(ptrs[0])[i];
+                for (int k = 1; k < nin; ++k) acc = acc + static_cast<const double*>(ptrs[static_cast<size_t>(k)])[i];
+                acc = acc / static_cast<double>(nin);
+                std::memcpy(model.data(), &acc, es);
+              }
+              ASSERT_TRUE(same_element(d, want.data() + i * es, model.data()))
+                  << "AVG nin " << nin << " element " << i << ": " << get(want.data(), d, i) << " vs " << get(model.data(), d, 0);
+            }
+          }
+          for (int nout : {1, 2, 3}) {
+            std::vector<std::vector<uint8_t>> out(static_cast<size_t>(nout), std::vector<uint8_t>(nb, 0xa5));
+            std::vector<void*> outs;
+            for (auto& v : out) outs.push_back(v.data());
+            tandem::dist::shm::reduce_arrays_to(outs.data(), nout, ptrs.data(), nin, count, d, op, nin);
+            for (int j = 0; j < nout; ++j) {
+              for (int64_t i = 0; i < count; ++i) {
+                ASSERT_TRUE(same_element(d, out[static_cast<size_t>(j)].data() + i * es, want.data() + i * es))
+                    << reduce_op_name(op) << " nin " << nin << " nout " << nout << " count " << count << " output " << j
+                    << " element " << i << ": " << get(out[static_cast<size_t>(j)].data(), d, i) << " vs "
+                    << get(want.data(), d, i);
+              }
+            }
+          }
+        }
+        // In place, as the push all_reduce on rank 0 of nin ranks: its own input is output 0,
+        // every other input an output too.
+        std::vector<uint8_t> want(nb);
+        tandem::dist::shm::reduce_arrays(want.data(), ptrs.data(), nin, count, d, ReduceOp::AVG, nin);
+        std::vector<void*> outs;
+        for (auto& v : in) outs.push_back(v.data());
+        tandem::dist::shm::reduce_arrays_to(outs.data(), nin, ptrs.data(), nin, count, d, ReduceOp::AVG, nin);
+        for (int j = 0; j < nin; ++j) {
+          for (int64_t i = 0; i < count; ++i) {
+            ASSERT_TRUE(same_element(d, in[static_cast<size_t>(j)].data() + i * es, want.data() + i * es))
+                << "in place, nin " << nin << " count " << count << " output " << j << " element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- bf16: one rounding ----
 
 double bf16_ulp(double x) {

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -16,6 +17,12 @@ namespace tandem::dist::shm {
 namespace {
 
 constexpr int kBlock = 512;
+
+template <class X>
+constexpr bool is_pow2(X d) {
+  const auto n = static_cast<int64_t>(d);
+  return n >= 1 && static_cast<X>(n) == d && (n & (n - 1)) == 0;
+}
 
 // Storage type -> (bits type in memory, accumulator type).
 template <class T> struct Traits { using Mem = T; using Acc = T; };
@@ -90,8 +97,11 @@ template <class T, ReduceOp OP>
   // loops are marked ivdep (otherwise GCC versions them and runs in-place calls scalar).
   M* out = static_cast<M*>(out_v);
   const A d = static_cast<A>(avg_divisor);
+  // A power-of-two divisor as a multiplication by its exact reciprocal (same bits, see Div512).
+  const A inv = std::is_floating_point_v<A> ? static_cast<A>(1) / d : A{};
+  const bool pow2 = std::is_floating_point_v<A> && is_pow2(avg_divisor);
   auto fin = [&](A v) -> A {
-    if constexpr (OP == ReduceOp::AVG) return v / d;
+    if constexpr (OP == ReduceOp::AVG) return pow2 ? v * inv : v / d;
     else return v;
   };
   const M* in0 = static_cast<const M*>(in_v[0]);
@@ -150,6 +160,30 @@ template <class T>
 // L3 or another core's cache the hardware prefetchers alone leave the 16-bit loops ~25% short
 // of the f32 loop's bandwidth (measured on 4M-element arrays; 8-32 KiB all help, 16 KiB best).
 constexpr int64_t kPrefetch = 8192;
+// AVG's division. By a power of two (2, 4, 8 ranks) it is a multiplication by the exact
+// reciprocal: the same bits (both round v * 2^-k once), without vdivps, whose throughput of
+// about one per 16 cycles would otherwise bound a two-input f32 loop below L3 bandwidth.
+struct Div512 {
+  __m512 d, inv;
+  bool pow2;
+  TANDEM_TGT_512 explicit Div512(float divisor)
+      : d(_mm512_set1_ps(divisor)), inv(_mm512_set1_ps(1.0f / divisor)), pow2(is_pow2(divisor)) {}
+  TANDEM_TGT_512 __m512 operator()(__m512 v) const { return pow2 ? _mm512_mul_ps(v, inv) : _mm512_div_ps(v, d); }
+};
+// N > 0: N pointers copied into locals (registers once the loops over them unroll); 0: read
+// through the caller's array.
+template <class P, int N>
+struct Ptrs {
+  P p[N];
+  TANDEM_TGT_512 explicit Ptrs(const P* src) { for (int i = 0; i < N; ++i) p[i] = src[i]; }
+  TANDEM_TGT_512 P operator[](int i) const { return p[i]; }
+};
+template <class P>
+struct Ptrs<P, 0> {
+  const P* p;
+  TANDEM_TGT_512 explicit Ptrs(const P* src) : p(src) {}
+  TANDEM_TGT_512 P operator[](int i) const { return p[i]; }
+};
 template <ReduceOp OP>
 TANDEM_TGT_512 __m512 vcomb512(__m512 a, __m512 b) {
   if constexpr (OP == ReduceOp::SUM || OP == ReduceOp::AVG) return _mm512_add_ps(a, b);
@@ -164,21 +198,22 @@ struct F16x512 {
   TANDEM_TGT_512 static __m512 ld_masked(const uint16_t* p, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
   }
-  TANDEM_TGT_512 static void st(uint16_t* p, __m512 lo, __m512 hi) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  TANDEM_TGT_512 static void st_masked(uint16_t* p, __m512 lo, __m512 hi, __mmask32 m) {
-    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(m), _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm256_mask_storeu_epi16(p + 16, static_cast<__mmask16>(m >> 16), _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // 32 narrowed elements, in order, for one 64-byte store per output.
+  TANDEM_TGT_512 static __m512i narrow(__m512 lo, __m512 hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                              _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 1);
   }
 };
 
-// 32 elements per step. NIN > 0: that many inputs, known at compile time (the 2-rank case).
-template <class C, ReduceOp OP, int NIN>
-[[gnu::always_inline]] inline void reduce16_512(uint16_t* out, const uint16_t* const* in, int nin_dyn, int64_t count, float d) {
-  const int nin = NIN > 0 ? NIN : nin_dyn;
-  const __m512 dv = _mm512_set1_ps(d);
+// 32 elements per step, stored into each of the nout outputs. NIN, NOUT > 0: that many inputs
+// and outputs, known at compile time (the 2-rank case).
+template <class C, ReduceOp OP, int NIN, int NOUT>
+[[gnu::always_inline]] inline void reduce16_512(uint16_t* const* outs_p, int nout_dyn, const uint16_t* const* in_p,
+                                                int nin_dyn, int64_t count, float d) {
+  const int nin = NIN > 0 ? NIN : nin_dyn, nout = NOUT > 0 ? NOUT : nout_dyn;
+  const Ptrs<const uint16_t*, NIN> in(in_p);
+  const Ptrs<uint16_t*, NOUT> outs(outs_p);
+  const Div512 div(d);
   int64_t i = 0;
   for (; i + 32 <= count; i += 32) {
     if (i + kPrefetch < count) {
@@ -189,8 +224,9 @@ template <class C, ReduceOp OP, int NIN>
       lo = vcomb512<OP>(lo, C::ld(in[k] + i));
       hi = vcomb512<OP>(hi, C::ld(in[k] + i + 16));
     }
-    if constexpr (OP == ReduceOp::AVG) { lo = _mm512_div_ps(lo, dv); hi = _mm512_div_ps(hi, dv); }
-    C::st(out + i, lo, hi);
+    if constexpr (OP == ReduceOp::AVG) { lo = div(lo); hi = div(hi); }
+    const __m512i r = C::narrow(lo, hi);
+    for (int j = 0; j < nout; ++j) _mm512_storeu_si512(outs[j] + i, r);
   }
   if (i < count) {
     const int r = static_cast<int>(count - i);  // 1..31
@@ -201,26 +237,61 @@ template <class C, ReduceOp OP, int NIN>
       lo = vcomb512<OP>(lo, C::ld_masked(in[k] + i, mlo));
       hi = vcomb512<OP>(hi, C::ld_masked(in[k] + i + 16, mhi));
     }
-    if constexpr (OP == ReduceOp::AVG) { lo = _mm512_div_ps(lo, dv); hi = _mm512_div_ps(hi, dv); }
-    C::st_masked(out + i, lo, hi, m);
+    if constexpr (OP == ReduceOp::AVG) { lo = div(lo); hi = div(hi); }
+    const __m512i v = C::narrow(lo, hi);
+    for (int j = 0; j < nout; ++j) _mm512_mask_storeu_epi16(outs[j] + i, m, v);
   }
 }
 
 template <class C, ReduceOp OP>
-[[gnu::always_inline]] inline void reduce16_512_op(void* out, const void* const* in, int nin, int64_t count, int d) {
-  auto* o = static_cast<uint16_t*>(out);
+[[gnu::always_inline]] inline void reduce16_512_op(void* const* outs, int nout, const void* const* in, int nin,
+                                                   int64_t count, int d) {
+  auto* o = reinterpret_cast<uint16_t* const*>(outs);
   auto* ins = reinterpret_cast<const uint16_t* const*>(in);
-  if (nin == 2) reduce16_512<C, OP, 2>(o, ins, nin, count, static_cast<float>(d));
-  else reduce16_512<C, OP, 0>(o, ins, nin, count, static_cast<float>(d));
+  if (nin == 2 && nout == 1) reduce16_512<C, OP, 2, 1>(o, nout, ins, nin, count, static_cast<float>(d));
+  else if (nin == 2 && nout == 2) reduce16_512<C, OP, 2, 2>(o, nout, ins, nin, count, static_cast<float>(d));
+  else reduce16_512<C, OP, 0, 0>(o, nout, ins, nin, count, static_cast<float>(d));
 }
 
-#define TANDEM_DISPATCH_OPS(fn, C)                                                       \
-  switch (op) {                                                                          \
-    case ReduceOp::SUM: return fn<C, ReduceOp::SUM>(out, in, nin, count, d);             \
-    case ReduceOp::AVG: return fn<C, ReduceOp::AVG>(out, in, nin, count, d);             \
-    case ReduceOp::PRODUCT: return fn<C, ReduceOp::PRODUCT>(out, in, nin, count, d);     \
-    case ReduceOp::MAX: return fn<C, ReduceOp::MAX>(out, in, nin, count, d);             \
-    case ReduceOp::MIN: return fn<C, ReduceOp::MIN>(out, in, nin, count, d);             \
+// f32, 16 elements per step, stored into each of the nout outputs; the same operations in the
+// same order as the generic loops (combine left to right, then divide for AVG).
+template <ReduceOp OP, int NIN, int NOUT>
+TANDEM_TGT_512 void reduce_f32_512(float* const* outs_p, int nout_dyn, const float* const* in_p, int nin_dyn,
+                                   int64_t count, float d) {
+  const int nin = NIN > 0 ? NIN : nin_dyn, nout = NOUT > 0 ? NOUT : nout_dyn;
+  const Ptrs<const float*, NIN> in(in_p);
+  const Ptrs<float*, NOUT> outs(outs_p);
+  const Div512 div(d);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    __m512 v = _mm512_loadu_ps(in[0] + i);
+    for (int k = 1; k < nin; ++k) v = vcomb512<OP>(v, _mm512_loadu_ps(in[k] + i));
+    if constexpr (OP == ReduceOp::AVG) v = div(v);
+    for (int j = 0; j < nout; ++j) _mm512_storeu_ps(outs[j] + i, v);
+  }
+  if (i < count) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (count - i)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(m, in[0] + i);
+    for (int k = 1; k < nin; ++k) v = vcomb512<OP>(v, _mm512_maskz_loadu_ps(m, in[k] + i));
+    if constexpr (OP == ReduceOp::AVG) v = div(v);
+    for (int j = 0; j < nout; ++j) _mm512_mask_storeu_ps(outs[j] + i, m, v);
+  }
+}
+template <class /*unused*/, ReduceOp OP>
+TANDEM_TGT_512 void reduce_f32_512_op(void* const* outs, int nout, const void* const* in, int nin, int64_t count, int d) {
+  auto* o = reinterpret_cast<float* const*>(outs);
+  auto* ins = reinterpret_cast<const float* const*>(in);
+  if (nin == 2 && nout == 2) reduce_f32_512<OP, 2, 2>(o, nout, ins, nin, count, static_cast<float>(d));
+  else reduce_f32_512<OP, 0, 0>(o, nout, ins, nin, count, static_cast<float>(d));
+}
+
+#define TANDEM_DISPATCH_OPS(fn, C)                                                             \
+  switch (op) {                                                                                \
+    case ReduceOp::SUM: return fn<C, ReduceOp::SUM>(outs, nout, in, nin, count, d);             \
+    case ReduceOp::AVG: return fn<C, ReduceOp::AVG>(outs, nout, in, nin, count, d);             \
+    case ReduceOp::PRODUCT: return fn<C, ReduceOp::PRODUCT>(outs, nout, in, nin, count, d);     \
+    case ReduceOp::MAX: return fn<C, ReduceOp::MAX>(outs, nout, in, nin, count, d);             \
+    case ReduceOp::MIN: return fn<C, ReduceOp::MIN>(outs, nout, in, nin, count, d);             \
   }
 
 // bf16, 32 elements per 64-byte load: a bf16 is the top half of an f32, so the even elements
@@ -233,16 +304,19 @@ TANDEM_TGT_BF16 Bf16Pair bf16_widen(__m512i x) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
           _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
 }
-template <ReduceOp OP, int NIN>
-TANDEM_TGT_BF16 void reduce_bf16_512(uint16_t* out, const uint16_t* const* in, int nin_dyn, int64_t count, float d) {
-  const int nin = NIN > 0 ? NIN : nin_dyn;
-  const __m512 dv = _mm512_set1_ps(d);
+template <ReduceOp OP, int NIN, int NOUT>
+TANDEM_TGT_BF16 void reduce_bf16_512(uint16_t* const* outs_p, int nout_dyn, const uint16_t* const* in_p, int nin_dyn,
+                                     int64_t count, float d) {
+  const int nin = NIN > 0 ? NIN : nin_dyn, nout = NOUT > 0 ? NOUT : nout_dyn;
+  const Ptrs<const uint16_t*, NIN> in(in_p);
+  const Ptrs<uint16_t*, NOUT> outs(outs_p);
+  const Div512 div(d);
   // out[2j] = r[j] (even, low half of r), out[2j+1] = r[16 + j] (odd, high half)
   alignas(64) static constexpr uint16_t kIdx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(kIdx);
   auto finish = [&](Bf16Pair a) {
-    if constexpr (OP == ReduceOp::AVG) { a.ev = _mm512_div_ps(a.ev, dv); a.od = _mm512_div_ps(a.od, dv); }
+    if constexpr (OP == ReduceOp::AVG) { a.ev = div(a.ev); a.od = div(a.od); }
     return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(a.od, a.ev)));
   };
   int64_t i = 0;
@@ -256,7 +330,8 @@ TANDEM_TGT_BF16 void reduce_bf16_512(uint16_t* out, const uint16_t* const* in, i
       a.ev = vcomb512<OP>(a.ev, b.ev);
       a.od = vcomb512<OP>(a.od, b.od);
     }
-    _mm512_storeu_si512(out + i, finish(a));
+    const __m512i r = finish(a);
+    for (int j = 0; j < nout; ++j) _mm512_storeu_si512(outs[j] + i, r);
   }
   if (i < count) {
     const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (count - i)) - 1);
@@ -266,24 +341,31 @@ TANDEM_TGT_BF16 void reduce_bf16_512(uint16_t* out, const uint16_t* const* in, i
       a.ev = vcomb512<OP>(a.ev, b.ev);
       a.od = vcomb512<OP>(a.od, b.od);
     }
-    _mm512_mask_storeu_epi16(out + i, m, finish(a));
+    const __m512i r = finish(a);
+    for (int j = 0; j < nout; ++j) _mm512_mask_storeu_epi16(outs[j] + i, m, r);
   }
 }
 template <class /*unused*/, ReduceOp OP>
-TANDEM_TGT_BF16 void reduce_bf16_512_op(void* out, const void* const* in, int nin, int64_t count, int d) {
-  auto* o = static_cast<uint16_t*>(out);
+TANDEM_TGT_BF16 void reduce_bf16_512_op(void* const* outs, int nout, const void* const* in, int nin, int64_t count,
+                                        int d) {
+  auto* o = reinterpret_cast<uint16_t* const*>(outs);
   auto* ins = reinterpret_cast<const uint16_t* const*>(in);
-  if (nin == 2) reduce_bf16_512<OP, 2>(o, ins, nin, count, static_cast<float>(d));
-  else reduce_bf16_512<OP, 0>(o, ins, nin, count, static_cast<float>(d));
+  if (nin == 2 && nout == 1) reduce_bf16_512<OP, 2, 1>(o, nout, ins, nin, count, static_cast<float>(d));
+  else if (nin == 2 && nout == 2) reduce_bf16_512<OP, 2, 2>(o, nout, ins, nin, count, static_cast<float>(d));
+  else reduce_bf16_512<OP, 0, 0>(o, nout, ins, nin, count, static_cast<float>(d));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void reduce_bf16_avx512(
-    void* out, const void* const* in, int nin, int64_t count, ReduceOp op, int d) {
+    void* const* outs, int nout, const void* const* in, int nin, int64_t count, ReduceOp op, int d) {
   TANDEM_DISPATCH_OPS(reduce_bf16_512_op, void)
 }
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void reduce_f16_avx512(
-    void* out, const void* const* in, int nin, int64_t count, ReduceOp op, int d) {
+    void* const* outs, int nout, const void* const* in, int nin, int64_t count, ReduceOp op, int d) {
   TANDEM_DISPATCH_OPS(reduce16_512_op, F16x512)
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void reduce_f32_avx512(
+    void* const* outs, int nout, const void* const* in, int nin, int64_t count, ReduceOp op, int d) {
+  TANDEM_DISPATCH_OPS(reduce_f32_512_op, void)
 }
 
 #undef TANDEM_TGT_BF16
@@ -347,6 +429,13 @@ __attribute__((target("avx2,f16c"))) void reduce_f16_avx2(void* out, const void*
 #pragma GCC pop_options
 
 using ReduceFn = void (*)(void*, const void* const*, int, int64_t, ReduceOp, int);
+using ReduceToFn = void (*)(void* const*, int, const void* const*, int, int64_t, ReduceOp, int);
+
+// A several-output kernel called with one output.
+template <ReduceToFn F>
+void one_output(void* out, const void* const* in, int nin, int64_t count, ReduceOp op, int d) {
+  F(&out, 1, in, nin, count, op, d);
+}
 
 #define TANDEM_SHM_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 
@@ -374,20 +463,29 @@ TANDEM_SHM_CLONES void reduce_u8(void* o, const void* const* in, int nin, int64_
 
 struct Kernels {
   ReduceFn bf16, f16;
+  // Several outputs in one pass (AVX-512 only); null: one output, then copies (reduce_arrays_to).
+  ReduceToFn f32_to, bf16_to, f16_to;
   const char* bf16_name;
   const char* f16_name;
 };
 
 const Kernels& kernels() {
   static const Kernels k = [] {
-    Kernels r{reduce_bf16, reduce_f16, "generic", "generic"};
+    Kernels r{reduce_bf16, reduce_f16, nullptr, nullptr, nullptr, "generic", "generic"};
     if (const char* e = std::getenv("TANDEM_SHM_KERNELS"); e != nullptr && std::string_view(e) == "generic") return r;
     __builtin_cpu_init();
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl");
-    if (avx512 && __builtin_cpu_supports("avx512bf16")) r.bf16 = reduce_bf16_avx512, r.bf16_name = "avx512bf16";
-    if (avx512 && __builtin_cpu_supports("f16c")) r.f16 = reduce_f16_avx512, r.f16_name = "avx512f+f16c";
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) r.f16 = reduce_f16_avx2, r.f16_name = "avx2+f16c";
+    if (avx512) r.f32_to = reduce_f32_avx512;
+    if (avx512 && __builtin_cpu_supports("avx512bf16")) {
+      r.bf16 = one_output<reduce_bf16_avx512>, r.bf16_to = reduce_bf16_avx512, r.bf16_name = "avx512bf16";
+    }
+    if (avx512 && __builtin_cpu_supports("f16c")) {
+      r.f16 = one_output<reduce_f16_avx512>, r.f16_to = reduce_f16_avx512, r.f16_name = "avx512f+f16c";
+    }
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+      r.f16 = reduce_f16_avx2, r.f16_name = "avx2+f16c";
+    }
     return r;
   }();
   return k;
@@ -433,6 +531,30 @@ void reduce_arrays(void* out, const void* const* in, int nin, int64_t count, DTy
   throw ValueError(fmt::format("{} reduction on a bool buffer: reductions need a numeric dtype "
                                "(f32, f64, f16, bf16, i32, i64, u8); cast to u8 first",
                                reduce_op_name(op)));
+}
+
+void reduce_arrays_to(void* const* outs, int nout, const void* const* in, int nin, int64_t count, DType dtype,
+                      ReduceOp op, int avg_divisor) {
+  TANDEM_CHECK(nout >= 1, ValueError, "reduce_arrays_to: need at least one output, got {}", nout);
+  if (count <= 0) return;
+  if (nout == 1) return reduce_arrays(outs[0], in, nin, count, dtype, op, avg_divisor);
+  TANDEM_CHECK(nin >= 1, ValueError, "reduce_arrays_to: need at least one input, got {}", nin);
+  const Kernels& k = kernels();
+  const ReduceToFn to = dtype == DType::f32 ? k.f32_to : dtype == DType::bf16 ? k.bf16_to : dtype == DType::f16 ? k.f16_to : nullptr;
+  if (to != nullptr) return to(outs, nout, in, nin, count, op, avg_divisor);
+  // 16 KiB pieces: reduced into outs[0], then copied from L1 into the others. A piece of an
+  // output that is also an input is written only after that piece was read.
+  const size_t es = element_size(dtype);
+  const int64_t piece = static_cast<int64_t>(16384 / es);
+  std::vector<const void*> at(static_cast<size_t>(nin));
+  for (int64_t b = 0; b < count; b += piece) {
+    const int64_t m = std::min(piece, count - b);
+    const size_t off = static_cast<size_t>(b) * es;
+    for (int q = 0; q < nin; ++q) at[static_cast<size_t>(q)] = static_cast<const uint8_t*>(in[q]) + off;
+    void* first = static_cast<uint8_t*>(outs[0]) + off;
+    reduce_arrays(first, at.data(), nin, m, dtype, op, avg_divisor);
+    for (int j = 1; j < nout; ++j) std::memcpy(static_cast<uint8_t*>(outs[j]) + off, first, static_cast<size_t>(m) * es);
+  }
 }
 
 const char* short_dtype_name(DType dtype) {

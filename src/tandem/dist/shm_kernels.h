@@ -21,6 +21,15 @@ namespace tandem::dist::shm {
 void reduce_arrays(void* out, const void* const* in, int nin, int64_t count, DType dtype, ReduceOp op,
                    int avg_divisor);
 
+// reduce_arrays into each of outs[0..nout): one pass over the inputs that stores every result
+// vector into all outputs (AVX-512 f32/bf16/f16), otherwise 16 KiB pieces reduced into outs[0]
+// and copied from L1 into the others. The same bits as reduce_arrays in every output. An output
+// may be the same elements as one of the inputs (each element is read before it is written);
+// other overlaps are not allowed. The push all_reduce writes each reduced chunk into its own
+// buffer and every peer's this way.
+void reduce_arrays_to(void* const* outs, int nout, const void* const* in, int nin, int64_t count, DType dtype,
+                      ReduceOp op, int avg_divisor);
+
 // Which implementation reduce_arrays uses for `dtype` on this CPU: "avx512bf16" (bf16),
 // "avx512f+f16c" / "avx2+f16c" (f16), or "generic" (compiler-vectorised loops; also forced for
 // every dtype by TANDEM_SHM_KERNELS=generic). Every path gives the same bits: bf16 rounding
