@@ -20,8 +20,9 @@
 // all_reduce. A reduce-scatter + all-gather over shared memory in which rank r owns 1/N of the
 // elements and reads that slice of every rank's input in place, chunk by chunk
 // (TANDEM_SHM_CHUNK_BYTES, 256 KiB). Default (TANDEM_SHM_ALLREDUCE=push): the all-gather is fused
-// into the reduction, each reduced chunk (still in L2) is written straight into every peer's
-// buffer, one barrier at the end; this touches about 2x the buffer per rank instead of 2.5x.
+// into the reduction, each reduced vector is stored into our buffer and straight into every
+// peer's in the same pass (reduce_arrays_to), one barrier at the end; this touches about 2x the
+// buffer per rank instead of 2.5x.
 // TANDEM_SHM_ALLREDUCE=pull: the owner publishes each reduced chunk and the others copy it as soon
 // as it is ready (reduce and copy overlap), starting at their ring neighbour. Buffers from
 // allocate() are read and written in place (zero-copy); others go through a slot (<= 64 KiB) or
