@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -184,6 +185,28 @@ struct Ptrs<P, 0> {
   TANDEM_TGT_512 explicit Ptrs(const P* src) : p(src) {}
   TANDEM_TGT_512 P operator[](int i) const { return p[i]; }
 };
+// What every AVX-512 kernel below starts from: its inputs and outputs (element bits M; NIN,
+// NOUT > 0: that many, known at compile time) and AVG's divisor.
+template <class M, int NIN, int NOUT>
+struct Streams {
+  int nin, nout;
+  Ptrs<const M*, NIN> in;
+  Ptrs<M*, NOUT> outs;
+  Div512 div;
+  TANDEM_TGT_512 Streams(M* const* outs_p, int nout_dyn, const M* const* in_p, int nin_dyn, float d)
+      : nin(NIN > 0 ? NIN : nin_dyn), nout(NOUT > 0 ? NOUT : nout_dyn), in(in_p), outs(outs_p), div(d) {}
+};
+// Runs f(NIN, NOUT) as compile-time constants: (2, 1) and (2, 2), the 2-rank shapes, get their
+// own instantiation; everything else (0, 0), read through the arrays.
+template <class F>
+TANDEM_TGT_512 void by_arity(int nin, int nout, F&& f) {
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  if (nin == 2 && nout == 1) f(I2{}, I1{});
+  else if (nin == 2 && nout == 2) f(I2{}, I2{});
+  else f(I0{}, I0{});
+}
 template <ReduceOp OP>
 TANDEM_TGT_512 __m512 vcomb512(__m512 a, __m512 b) {
   if constexpr (OP == ReduceOp::SUM || OP == ReduceOp::AVG) return _mm512_add_ps(a, b);
@@ -208,12 +231,8 @@ struct F16x512 {
 // 32 elements per step, stored into each of the nout outputs. NIN, NOUT > 0: that many inputs
 // and outputs, known at compile time (the 2-rank case).
 template <class C, ReduceOp OP, int NIN, int NOUT>
-[[gnu::always_inline]] inline void reduce16_512(uint16_t* const* outs_p, int nout_dyn, const uint16_t* const* in_p,
-                                                int nin_dyn, int64_t count, float d) {
-  const int nin = NIN > 0 ? NIN : nin_dyn, nout = NOUT > 0 ? NOUT : nout_dyn;
-  const Ptrs<const uint16_t*, NIN> in(in_p);
-  const Ptrs<uint16_t*, NOUT> outs(outs_p);
-  const Div512 div(d);
+[[gnu::always_inline]] inline void reduce16_512(const Streams<uint16_t, NIN, NOUT>& st, int64_t count) {
+  const auto& [nin, nout, in, outs, div] = st;
   int64_t i = 0;
   for (; i + 32 <= count; i += 32) {
     if (i + kPrefetch < count) {
@@ -246,22 +265,18 @@ template <class C, ReduceOp OP, int NIN, int NOUT>
 template <class C, ReduceOp OP>
 [[gnu::always_inline]] inline void reduce16_512_op(void* const* outs, int nout, const void* const* in, int nin,
                                                    int64_t count, int d) {
-  auto* o = reinterpret_cast<uint16_t* const*>(outs);
-  auto* ins = reinterpret_cast<const uint16_t* const*>(in);
-  if (nin == 2 && nout == 1) reduce16_512<C, OP, 2, 1>(o, nout, ins, nin, count, static_cast<float>(d));
-  else if (nin == 2 && nout == 2) reduce16_512<C, OP, 2, 2>(o, nout, ins, nin, count, static_cast<float>(d));
-  else reduce16_512<C, OP, 0, 0>(o, nout, ins, nin, count, static_cast<float>(d));
+  by_arity(nin, nout, [&](auto ni, auto no) {
+    reduce16_512<C, OP>(Streams<uint16_t, ni(), no()>(reinterpret_cast<uint16_t* const*>(outs), nout,
+                                                      reinterpret_cast<const uint16_t* const*>(in), nin, static_cast<float>(d)),
+                        count);
+  });
 }
 
 // f32, 16 elements per step, stored into each of the nout outputs; the same operations in the
 // same order as the generic loops (combine left to right, then divide for AVG).
 template <ReduceOp OP, int NIN, int NOUT>
-TANDEM_TGT_512 void reduce_f32_512(float* const* outs_p, int nout_dyn, const float* const* in_p, int nin_dyn,
-                                   int64_t count, float d) {
-  const int nin = NIN > 0 ? NIN : nin_dyn, nout = NOUT > 0 ? NOUT : nout_dyn;
-  const Ptrs<const float*, NIN> in(in_p);
-  const Ptrs<float*, NOUT> outs(outs_p);
-  const Div512 div(d);
+TANDEM_TGT_512 void reduce_f32_512(const Streams<float, NIN, NOUT>& st, int64_t count) {
+  const auto& [nin, nout, in, outs, div] = st;
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) {
     __m512 v = _mm512_loadu_ps(in[0] + i);
@@ -279,10 +294,11 @@ TANDEM_TGT_512 void reduce_f32_512(float* const* outs_p, int nout_dyn, const flo
 }
 template <class /*unused*/, ReduceOp OP>
 TANDEM_TGT_512 void reduce_f32_512_op(void* const* outs, int nout, const void* const* in, int nin, int64_t count, int d) {
-  auto* o = reinterpret_cast<float* const*>(outs);
-  auto* ins = reinterpret_cast<const float* const*>(in);
-  if (nin == 2 && nout == 2) reduce_f32_512<OP, 2, 2>(o, nout, ins, nin, count, static_cast<float>(d));
-  else reduce_f32_512<OP, 0, 0>(o, nout, ins, nin, count, static_cast<float>(d));
+  by_arity(nin, nout, [&](auto ni, auto no) {
+    reduce_f32_512<OP>(Streams<float, ni(), no()>(reinterpret_cast<float* const*>(outs), nout,
+                                                  reinterpret_cast<const float* const*>(in), nin, static_cast<float>(d)),
+                       count);
+  });
 }
 
 #define TANDEM_DISPATCH_OPS(fn, C)                                                             \
@@ -305,12 +321,8 @@ TANDEM_TGT_BF16 Bf16Pair bf16_widen(__m512i x) {
           _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
 }
 template <ReduceOp OP, int NIN, int NOUT>
-TANDEM_TGT_BF16 void reduce_bf16_512(uint16_t* const* outs_p, int nout_dyn, const uint16_t* const* in_p, int nin_dyn,
-                                     int64_t count, float d) {
-  const int nin = NIN > 0 ? NIN : nin_dyn, nout = NOUT > 0 ? NOUT : nout_dyn;
-  const Ptrs<const uint16_t*, NIN> in(in_p);
-  const Ptrs<uint16_t*, NOUT> outs(outs_p);
-  const Div512 div(d);
+TANDEM_TGT_BF16 void reduce_bf16_512(const Streams<uint16_t, NIN, NOUT>& st, int64_t count) {
+  const auto& [nin, nout, in, outs, div] = st;
   // out[2j] = r[j] (even, low half of r), out[2j+1] = r[16 + j] (odd, high half)
   alignas(64) static constexpr uint16_t kIdx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -348,11 +360,11 @@ TANDEM_TGT_BF16 void reduce_bf16_512(uint16_t* const* outs_p, int nout_dyn, cons
 template <class /*unused*/, ReduceOp OP>
 TANDEM_TGT_BF16 void reduce_bf16_512_op(void* const* outs, int nout, const void* const* in, int nin, int64_t count,
                                         int d) {
-  auto* o = reinterpret_cast<uint16_t* const*>(outs);
-  auto* ins = reinterpret_cast<const uint16_t* const*>(in);
-  if (nin == 2 && nout == 1) reduce_bf16_512<OP, 2, 1>(o, nout, ins, nin, count, static_cast<float>(d));
-  else if (nin == 2 && nout == 2) reduce_bf16_512<OP, 2, 2>(o, nout, ins, nin, count, static_cast<float>(d));
-  else reduce_bf16_512<OP, 0, 0>(o, nout, ins, nin, count, static_cast<float>(d));
+  by_arity(nin, nout, [&](auto ni, auto no) {
+    reduce_bf16_512<OP>(Streams<uint16_t, ni(), no()>(reinterpret_cast<uint16_t* const*>(outs), nout,
+                                                      reinterpret_cast<const uint16_t* const*>(in), nin, static_cast<float>(d)),
+                        count);
+  });
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void reduce_bf16_avx512(
