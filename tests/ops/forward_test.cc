@@ -466,6 +466,64 @@ TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
   }
 }
 
+// sgemm computes C = A^T B (a weight gradient dY^T X) whose A has rows a multiple of 4 KiB apart and
+// C at least twice as tall as wide as C^T = B^T A into scratch, transposed back (gemm.cc). Checked
+// against the f64 loop on both sides of every switch: M = 1024 with A's rows 1024 apart, 600 in rows
+// 1024 apart (a narrowed gradient), 1000 in rows 1000 apart (never swapped); N = 2, 300, M / 2
+// (swapped) and M / 2 + 1 (not); K = 1, 37 and 70; through gemm() (beta 0, a bias, a
+// broadcast batch of B) and sgemm itself with beta = 1 onto an existing C whose rows are N (may
+// swap) or N + 3 (never) apart, whose columns past N must stay as they were.
+TEST(ForwardLinalg, F32GemmWithTransposedARowsFourKiBApartMatchesF64) {
+  Generator gen(12);
+  auto check = [](const Tensor& got, const Tensor& want, const Tensor& mag, int64_t K, const std::string& what) {
+    ASSERT_EQ(got.shape(), want.shape()) << what;
+    const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double bound = K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
+      ASSERT_LE(std::abs(g[i] - w[i]), bound) << what << " element " << i;
+    }
+  };
+  for (const auto& [M, ld] : {std::pair<int64_t, int64_t>{1024, 1024}, {600, 1024}, {1000, 1000}}) {
+    for (const int64_t N : {int64_t{2}, int64_t{300}, M / 2, M / 2 + 1}) {
+      for (const int64_t K : {1, 37, 70}) {
+        for (int variant = 0; variant < 3; ++variant) {
+          const std::string what = fmt::format("M {} ld {} N {} K {} variant {}", M, ld, N, K, variant);
+          const int64_t batch = variant == 2 ? 2 : 1;
+          // A = G^T for a gradient G (K x ld) of which the first M columns are used.
+          const Tensor g = randn({batch, K, ld}, kFloat32, &gen).slice(2, 0, M);
+          const Tensor a = g.transpose(1, 2);
+          const Tensor b = randn({1, K, N}, kFloat32, &gen);
+          const Tensor bias = variant == 1 ? randn({N}, kFloat32, &gen) : Tensor();
+          const Tensor got = kernels::gemm(a, b, bias, kFloat32);
+          const Tensor want = kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias,
+                                            kFloat64);
+          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
+          check(got, want, mag, K, what);
+        }
+        for (const int64_t ldc : {N, N + 3}) {
+          const std::string what = fmt::format("sgemm beta 1 M {} ld {} N {} K {} ldc {}", M, ld, N, K, ldc);
+          const Tensor g = randn({K, ld}, kFloat32, &gen);
+          const Tensor b = randn({K, N}, kFloat32, &gen);
+          const Tensor c0 = randn({M, ldc}, kFloat32, &gen);
+          Tensor c = c0.clone();
+          kernels::sgemm('T', 'N', M, N, K, g.data_ptr<float>(), ld, b.data_ptr<float>(), N, 1.0f, c.data_ptr<float>(),
+                         ldc);
+          const Tensor at = g.slice(1, 0, M).t().to(kFloat64).unsqueeze(0);
+          const Tensor want =
+              ops::add(kernels::gemm(at, b.to(kFloat64).unsqueeze(0), Tensor(), kFloat64).squeeze(0),
+                       c0.slice(1, 0, N).to(kFloat64));
+          const Tensor mag =
+              kernels::gemm(ops::abs(at), ops::abs(b.to(kFloat64)).unsqueeze(0), Tensor(), kFloat64).squeeze(0);
+          check(c.slice(1, 0, N), want, mag, K, what);
+          if (ldc > N) {
+            ASSERT_EQ(c.slice(1, N, ldc).to_vector(), c0.slice(1, N, ldc).to_vector()) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(ForwardSoftmax, ValuesAndNormalisation) {
   const Tensor x = f64({1, 2, 3}, {3});
   const std::vector<double> s = ops::softmax(x, 0).to_vector();
