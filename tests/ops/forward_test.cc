@@ -354,11 +354,54 @@ TEST(ForwardLinalg, LinearValues) {
   EXPECT_EQ(ops::linear(f64({1, 2, 3}, {3}), w, b).shape(), (Shape{2}));
 }
 
+// An f32 product against its f64 value `want` on the same f32-rounded inputs: f32 accumulation over
+// K terms, |err| <= K * 2^-24 * sum_k |a_ik b_kj| (`mag`) + one rounding of the result (or bias).
+void expect_within_f32_gemm_bound(const Tensor& got, const Tensor& want, const Tensor& mag, int64_t K,
+                                  const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double bound = K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
+    ASSERT_LE(std::abs(g[i] - w[i]), bound) << what << " element " << i;
+  }
+}
+
+// kernels::gemm(a, b, bias) in f32 against the f64 loop, within the bound above.
+void expect_f32_gemm_matches_f64(const Tensor& a, const Tensor& b, const Tensor& bias, const std::string& what) {
+  const int64_t K = a.size(2);
+  const Tensor got = kernels::gemm(a, b, bias, kFloat32);
+  const Tensor want =
+      kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias, kFloat64);
+  const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
+  ASSERT_NO_FATAL_FAILURE(expect_within_f32_gemm_bound(got, want, mag, K, what));
+}
+
+// kernels::sgemm(transa, transb, ...) with beta = 1 onto an existing C whose rows are ldc >= N
+// apart, against C + op(A) op(B) in f64 with the bound above; C's columns past N stay as they were.
+// `a` holds A in BLAS storage (M x lda for 'N', K x lda for 'T'), `b` holds B (K x ldb for 'N',
+// N x ldb for 'T').
+void expect_sgemm_beta_one_matches_f64(char transa, char transb, int64_t M, int64_t N, int64_t K, const Tensor& a,
+                                       const Tensor& b, int64_t ldc, Generator& gen, const std::string& what) {
+  const int64_t lda = a.size(1), ldb = b.size(1);
+  const Tensor c0 = randn({M, ldc}, kFloat32, &gen);
+  Tensor c = c0.clone();
+  kernels::sgemm(transa, transb, M, N, K, a.data_ptr<float>(), lda, b.data_ptr<float>(), ldb, 1.0f,
+                 c.data_ptr<float>(), ldc);
+  const Tensor op_a = (transa == 'N' ? a.slice(1, 0, K) : a.slice(1, 0, M).t()).to(kFloat64).unsqueeze(0);
+  const Tensor op_b = (transb == 'N' ? b.slice(1, 0, N) : b.slice(1, 0, K).t()).to(kFloat64).unsqueeze(0);
+  const Tensor want =
+      ops::add(kernels::gemm(op_a, op_b, Tensor(), kFloat64).squeeze(0), c0.slice(1, 0, N).to(kFloat64));
+  const Tensor mag = kernels::gemm(ops::abs(op_a), ops::abs(op_b), Tensor(), kFloat64).squeeze(0);
+  ASSERT_NO_FATAL_FAILURE(expect_within_f32_gemm_bound(c.slice(1, 0, N), want, mag, K, what));
+  if (ldc > N) {
+    ASSERT_EQ(c.slice(1, N, ldc).to_vector(), c0.slice(1, N, ldc).to_vector()) << what;
+  }
+}
+
 // kernels::gemm in f32 (dnnl_sgemm for operands with a unit-stride dim, the matmul primitive
-// otherwise) against the f64 loop on the same f32-rounded inputs, over every layout the ops and
-// the attention kernel hand it: plain, transposed, row-strided views, no unit stride at all,
-// broadcast batches, a bias (contiguous and strided), and 1-sized dims. Bound per element: f32
-// accumulation over K terms, |err| <= K * 2^-24 * sum_k |a_ik b_kj| (+ one rounding of the bias).
+// otherwise) against the f64 loop with the bound above, over every layout the ops and the
+// attention kernel hand it: plain, transposed, row-strided views, no unit stride at all, broadcast
+// batches, a bias (contiguous and strided), and 1-sized dims.
 TEST(ForwardLinalg, F32GemmLayoutsMatchF64) {
   Generator gen(7);
   struct Case {
@@ -384,18 +427,10 @@ TEST(ForwardLinalg, F32GemmLayoutsMatchF64) {
           const Tensor bias = with_bias == 0   ? Tensor()
                               : with_bias == 1 ? randn({cs.N}, kFloat32, &gen)
                                                : randn({2 * cs.N}, kFloat32, &gen).slice(0, 0, 2 * cs.N, 2);
-          const Tensor got = kernels::gemm(a, b, bias, kFloat32);
-          const Tensor want = kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias,
-                                            kFloat64);
-          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
-          ASSERT_EQ(got.shape(), want.shape());
-          const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
-          for (size_t i = 0; i < g.size(); ++i) {
-            const double bound = cs.K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
-            ASSERT_LE(std::abs(g[i] - w[i]), bound)
-                << "element " << i << " layouts " << la << "," << lb << " bias " << with_bias << " case " << cs.ba
-                << "x" << cs.M << "x" << cs.K << " @ " << cs.bb << "x" << cs.K << "x" << cs.N;
-          }
+          ASSERT_NO_FATAL_FAILURE(expect_f32_gemm_matches_f64(
+              a, b, bias,
+              fmt::format("layouts {},{} bias {} case {}x{}x{} @ {}x{}x{}", la, lb, with_bias, cs.ba, cs.M, cs.K, cs.bb,
+                          cs.K, cs.N)));
         }
       }
     }
@@ -411,14 +446,6 @@ TEST(ForwardLinalg, F32GemmLayoutsMatchF64) {
 // C's rows wider than N (never swapped). A transpose with the wrong extent or stride fails it.
 TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
   Generator gen(11);
-  auto check = [](const Tensor& got, const Tensor& want, const Tensor& mag, int64_t K, const std::string& what) {
-    ASSERT_EQ(got.shape(), want.shape()) << what;
-    const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
-    for (size_t i = 0; i < g.size(); ++i) {
-      const double bound = K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
-      ASSERT_LE(std::abs(g[i] - w[i]), bound) << what << " element " << i;
-    }
-  };
   for (const int64_t M : {1, 2, 16, 128, 129}) {
     for (const auto& [K, ld] : {std::pair<int64_t, int64_t>{1024, 1024}, {2048, 2048}, {1000, 1024}, {1000, 1000}}) {
       for (const int64_t N : {2, 10, 300}) {
@@ -432,34 +459,13 @@ TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
           const Tensor bias = variant == 1   ? randn({N}, kFloat32, &gen)
                               : variant == 2 ? randn({2 * N}, kFloat32, &gen).slice(0, 0, 2 * N, 2)
                                              : Tensor();
-          const Tensor got = kernels::gemm(a, b, bias, kFloat32);
-          const Tensor want = kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias,
-                                            kFloat64);
-          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
-          check(got, want, mag, K, what);
+          ASSERT_NO_FATAL_FAILURE(expect_f32_gemm_matches_f64(a, b, bias, what));
         }
         // sgemm with beta = 1 onto an existing C of row stride ldc (N: may swap; N + 3: never).
         for (const int64_t ldc : {N, N + 3}) {
-          const std::string what = fmt::format("sgemm beta 1 M {} K {} ld {} N {} ldc {}", M, K, ld, N, ldc);
-          const Tensor a = randn({M, K}, kFloat32, &gen);
-          const Tensor w = randn({N, ld}, kFloat32, &gen);
-          const Tensor c0 = randn({M, ldc}, kFloat32, &gen);
-          Tensor c = c0.clone();
-          kernels::sgemm('N', 'T', M, N, K, a.data_ptr<float>(), K, w.data_ptr<float>(), ld, 1.0f, c.data_ptr<float>(),
-                         ldc);
-          const Tensor wk = w.slice(1, 0, K).t();
-          const Tensor want = ops::add(kernels::gemm(a.to(kFloat64).unsqueeze(0), wk.to(kFloat64).unsqueeze(0), Tensor(),
-                                                     kFloat64)
-                                           .squeeze(0),
-                                       c0.slice(1, 0, N).to(kFloat64));
-          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)).unsqueeze(0), ops::abs(wk.to(kFloat64)).unsqueeze(0),
-                                           Tensor(), kFloat64)
-                                 .squeeze(0);
-          check(c.slice(1, 0, N), want, mag, K, what);
-          // The columns past N are C's own and stay as they were.
-          if (ldc > N) {
-            ASSERT_EQ(c.slice(1, N, ldc).to_vector(), c0.slice(1, N, ldc).to_vector()) << what;
-          }
+          ASSERT_NO_FATAL_FAILURE(expect_sgemm_beta_one_matches_f64(
+              'N', 'T', M, N, K, randn({M, K}, kFloat32, &gen), randn({N, ld}, kFloat32, &gen), ldc, gen,
+              fmt::format("sgemm beta 1 M {} K {} ld {} N {} ldc {}", M, K, ld, N, ldc)));
         }
       }
     }
@@ -475,14 +481,6 @@ TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
 // swap) or N + 3 (never) apart, whose columns past N must stay as they were.
 TEST(ForwardLinalg, F32GemmWithTransposedARowsFourKiBApartMatchesF64) {
   Generator gen(12);
-  auto check = [](const Tensor& got, const Tensor& want, const Tensor& mag, int64_t K, const std::string& what) {
-    ASSERT_EQ(got.shape(), want.shape()) << what;
-    const std::vector<double> g = got.to_vector(), w = want.to_vector(), m = mag.to_vector();
-    for (size_t i = 0; i < g.size(); ++i) {
-      const double bound = K * std::ldexp(1.0, -24) * m[i] + std::ldexp(1.0, -24) * std::abs(w[i]) + 1e-30;
-      ASSERT_LE(std::abs(g[i] - w[i]), bound) << what << " element " << i;
-    }
-  };
   for (const auto& [M, ld] : {std::pair<int64_t, int64_t>{1024, 1024}, {600, 1024}, {1000, 1000}}) {
     for (const int64_t N : {int64_t{2}, int64_t{300}, M / 2, M / 2 + 1}) {
       for (const int64_t K : {1, 37, 70}) {
@@ -494,30 +492,12 @@ TEST(ForwardLinalg, F32GemmWithTransposedARowsFourKiBApartMatchesF64) {
           const Tensor a = g.transpose(1, 2);
           const Tensor b = randn({1, K, N}, kFloat32, &gen);
           const Tensor bias = variant == 1 ? randn({N}, kFloat32, &gen) : Tensor();
-          const Tensor got = kernels::gemm(a, b, bias, kFloat32);
-          const Tensor want = kernels::gemm(a.to(kFloat64), b.to(kFloat64), bias.defined() ? bias.to(kFloat64) : bias,
-                                            kFloat64);
-          const Tensor mag = kernels::gemm(ops::abs(a.to(kFloat64)), ops::abs(b.to(kFloat64)), Tensor(), kFloat64);
-          check(got, want, mag, K, what);
+          ASSERT_NO_FATAL_FAILURE(expect_f32_gemm_matches_f64(a, b, bias, what));
         }
         for (const int64_t ldc : {N, N + 3}) {
-          const std::string what = fmt::format("sgemm beta 1 M {} ld {} N {} K {} ldc {}", M, ld, N, K, ldc);
-          const Tensor g = randn({K, ld}, kFloat32, &gen);
-          const Tensor b = randn({K, N}, kFloat32, &gen);
-          const Tensor c0 = randn({M, ldc}, kFloat32, &gen);
-          Tensor c = c0.clone();
-          kernels::sgemm('T', 'N', M, N, K, g.data_ptr<float>(), ld, b.data_ptr<float>(), N, 1.0f, c.data_ptr<float>(),
-                         ldc);
-          const Tensor at = g.slice(1, 0, M).t().to(kFloat64).unsqueeze(0);
-          const Tensor want =
-              ops::add(kernels::gemm(at, b.to(kFloat64).unsqueeze(0), Tensor(), kFloat64).squeeze(0),
-                       c0.slice(1, 0, N).to(kFloat64));
-          const Tensor mag =
-              kernels::gemm(ops::abs(at), ops::abs(b.to(kFloat64)).unsqueeze(0), Tensor(), kFloat64).squeeze(0);
-          check(c.slice(1, 0, N), want, mag, K, what);
-          if (ldc > N) {
-            ASSERT_EQ(c.slice(1, N, ldc).to_vector(), c0.slice(1, N, ldc).to_vector()) << what;
-          }
+          ASSERT_NO_FATAL_FAILURE(expect_sgemm_beta_one_matches_f64(
+              'T', 'N', M, N, K, randn({K, ld}, kFloat32, &gen), randn({K, N}, kFloat32, &gen), ldc, gen,
+              fmt::format("sgemm beta 1 M {} ld {} N {} K {} ldc {}", M, ld, N, K, ldc)));
         }
       }
     }
