@@ -438,15 +438,16 @@ TEST(ForwardLinalg, F32GemmLayoutsMatchF64) {
 }
 
 // sgemm computes C = A B^T with a transposed B whose rows lie a multiple of 4 KiB apart and 2..128
-// rows of A as C^T = B A^T into scratch, transposed back (gemm.cc). Checked against the f64 loop
-// with the bound above, on both sides of every switch: 1, 2, 16, 128 and 129 rows; B rows 1024
+// rows of A (8..64 on Intel, or up to 128 against fewer than 128 columns) as C^T = B A^T into
+// scratch, transposed back (gemm.cc). Checked against the f64 loop with the bound above, on both
+// sides of every switch on either vendor: 1, 2, 8, 64, 128 and 129 rows; B rows 1024
 // and 2048 floats apart (K = 1024 and 2048, and K = 1000 in rows of a 1024-wide tensor, as a
 // narrowed weight) and 1000 apart (never swapped); 2, 10 and 300 columns; no bias, a bias, a
 // strided bias, a broadcast batch of B; and sgemm itself with beta = 1 onto an existing C, with
 // C's rows wider than N (never swapped). A transpose with the wrong extent or stride fails it.
 TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
   Generator gen(11);
-  for (const int64_t M : {1, 2, 16, 128, 129}) {
+  for (const int64_t M : {1, 2, 8, 64, 128, 129}) {
     for (const auto& [K, ld] : {std::pair<int64_t, int64_t>{1024, 1024}, {2048, 2048}, {1000, 1024}, {1000, 1000}}) {
       for (const int64_t N : {2, 10, 300}) {
         for (int variant = 0; variant < 4; ++variant) {

@@ -16,6 +16,9 @@ uint64_t xgetbv0() {
 CpuFeatures detect() {
   CpuFeatures f;
   unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+  // The vendor string is EBX, EDX, ECX: "Genu" "ineI" "ntel".
+  f.intel = b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool osxsave = c & (1u << 27);
   const bool fma = c & (1u << 12);

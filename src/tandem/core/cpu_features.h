@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false;
   bool avx512_fp16 = false;
   bool amx_bf16 = false;
+  bool intel = false;  // CPUID vendor "GenuineIntel": some kernel choices differ by microarchitecture
   std::string summary() const;  // "avx2 fma f16c avx512f ..." of what is present
 };
 

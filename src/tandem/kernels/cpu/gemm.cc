@@ -11,6 +11,7 @@
 #include "tandem/kernels/cpu/tile_gemm.h"
 
 #include "tandem/core/convert.h"
+#include "tandem/core/cpu_features.h"
 #include "tandem/core/parallel.h"
 
 namespace tandem::kernels {
@@ -288,14 +289,18 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
   // Whatever the stride, 8..64 rows of A against 128 or more columns gain from the swap too (one
   // Intel Xeon core with AMX, the same oneDNN, transposes included: 8 x 1024 x 784 333 vs 234 us,
   // 32 x 300 x 1000 148 vs 117, 64 x 1024 x 784 622 vs 553; 2 rows lose, 106 vs 237; 64 x 256 x
-  // 256 and smaller are even).
+  // 256 and smaller are even). On that Intel core the 4 KiB case only gains from 8 rows on, and
+  // past 64 rows only against fewer than 128 columns (transposes included, cold caches: 2 x 1024 x
+  // 1024 167 vs 404 us, 4 x 1024 x 1024 325 vs 411, 16 x 1024 x 1024 693 vs 398; in W1's f32 step
+  // 128 x 1024 x 1024 2018 vs 2174 us but 128 x 10 x 1024 106 vs 48), so there it keeps to those.
   //
   // C = A^T B (a weight gradient dY^T X) with A's rows a multiple of 4 KiB apart and C at least
   // twice as tall as wide is likewise 15-35% slower than C^T = B^T A (one Intel Xeon core with AMX,
   // oneDNN 2.6, cold caches, transposes not included: 1024 x 256 x 1024 105 vs 134 GFLOP/s,
   // 2048 x 256 x 1024 109 vs 145, 1024 x 64 x 1024 89 vs 114; with A's rows 4160 bytes apart the
   // swap loses, 137 vs 128, and a square C gains too little to pay for the transposes).
-  const bool aliased = ldb % 1024 == 0 && M >= 2 && M <= 128;
+  static const bool intel = cpu_features().intel;
+  const bool aliased = ldb % 1024 == 0 && M <= 128 && (intel ? M >= 8 && (M <= 64 || N < 128) : M >= 2);
   const bool few_rows = M >= 8 && M <= 64 && N >= 128;
   const bool nt_swap = transa == 'N' && transb == 'T' && (aliased || few_rows);
   const bool tn_swap = transa == 'T' && transb == 'N' && lda % 1024 == 0 && 2 * N <= M;
