@@ -473,34 +473,36 @@ TEST(ForwardLinalg, F32GemmWithTransposedBRowsFourKiBApartMatchesF64) {
   }
 }
 
-// sgemm computes C = A^T B (a weight gradient dY^T X) whose A has rows a multiple of 4 KiB apart and
-// C at least twice as tall as wide as C^T = B^T A into scratch, transposed back (gemm.cc). Checked
-// against the f64 loop on both sides of every switch: M = 1024 with A's rows 1024 apart, 600 in rows
-// 1024 apart (a narrowed gradient), 1000 in rows 1000 apart (never swapped); N = 2, 300, M / 2
-// (swapped) and M / 2 + 1 (not); K = 1, 37 and 70; through gemm() (beta 0, a bias, a
-// broadcast batch of B) and sgemm itself with beta = 1 onto an existing C whose rows are N (may
-// swap) or N + 3 (never) apart, whose columns past N must stay as they were.
+// sgemm computes C = A^T B (a weight gradient dY^T X) whose A has rows a multiple of 4 KiB apart,
+// at least 256 rows of C, twice as many as columns, and K >= 768 as C^T = B^T A into scratch,
+// transposed back (gemm.cc). Checked against the f64 loop on both sides of every switch (M 255/256,
+// N M/2 and M/2 + 1, K 767/768, A's rows 4 KiB apart or not; 1024 x 10 x 1024 and a narrowed
+// 600-column gradient in rows 1024 apart also swap), through gemm() (beta 0, a bias, a broadcast
+// batch of B) and sgemm itself with beta = 1 onto an existing C whose rows are N (may swap) or
+// N + 3 (never) apart, whose columns past N must stay as they were.
 TEST(ForwardLinalg, F32GemmWithTransposedARowsFourKiBApartMatchesF64) {
   Generator gen(12);
-  for (const auto& [M, ld] : {std::pair<int64_t, int64_t>{1024, 1024}, {600, 1024}, {1000, 1000}}) {
-    for (const int64_t N : {int64_t{2}, int64_t{300}, M / 2, M / 2 + 1}) {
-      for (const int64_t K : {1, 37, 70}) {
-        for (int variant = 0; variant < 3; ++variant) {
-          const std::string what = fmt::format("M {} ld {} N {} K {} variant {}", M, ld, N, K, variant);
-          const int64_t batch = variant == 2 ? 2 : 1;
-          // A = G^T for a gradient G (K x ld) of which the first M columns are used.
-          const Tensor g = randn({batch, K, ld}, kFloat32, &gen).slice(2, 0, M);
-          const Tensor a = g.transpose(1, 2);
-          const Tensor b = randn({1, K, N}, kFloat32, &gen);
-          const Tensor bias = variant == 1 ? randn({N}, kFloat32, &gen) : Tensor();
-          ASSERT_NO_FATAL_FAILURE(expect_f32_gemm_matches_f64(a, b, bias, what));
-        }
-        for (const int64_t ldc : {N, N + 3}) {
-          ASSERT_NO_FATAL_FAILURE(expect_sgemm_beta_one_matches_f64(
-              'T', 'N', M, N, K, randn({K, ld}, kFloat32, &gen), randn({K, N}, kFloat32, &gen), ldc, gen,
-              fmt::format("sgemm beta 1 M {} ld {} N {} K {} ldc {}", M, ld, N, K, ldc)));
-        }
-      }
+  struct Case {
+    int64_t M, ld, N, K;
+  };
+  for (const Case cs : {Case{256, 1024, 128, 768}, Case{256, 1024, 129, 768}, Case{255, 1024, 2, 768},
+                        Case{256, 1024, 2, 767}, Case{256, 1024, 2, 768}, Case{256, 320, 2, 768},
+                        Case{1024, 1024, 10, 1024}, Case{600, 1024, 100, 768}, Case{8, 1024, 4, 1}}) {
+    const auto [M, ld, N, K] = cs;
+    for (int variant = 0; variant < 3; ++variant) {
+      const std::string what = fmt::format("M {} ld {} N {} K {} variant {}", M, ld, N, K, variant);
+      const int64_t batch = variant == 2 ? 2 : 1;
+      // A = G^T for a gradient G (K x ld) of which the first M columns are used.
+      const Tensor g = randn({batch, K, ld}, kFloat32, &gen).slice(2, 0, M);
+      const Tensor a = g.transpose(1, 2);
+      const Tensor b = randn({1, K, N}, kFloat32, &gen);
+      const Tensor bias = variant == 1 ? randn({N}, kFloat32, &gen) : Tensor();
+      ASSERT_NO_FATAL_FAILURE(expect_f32_gemm_matches_f64(a, b, bias, what));
+    }
+    for (const int64_t ldc : {N, N + 3}) {
+      ASSERT_NO_FATAL_FAILURE(expect_sgemm_beta_one_matches_f64(
+          'T', 'N', M, N, K, randn({K, ld}, kFloat32, &gen), randn({K, N}, kFloat32, &gen), ldc, gen,
+          fmt::format("sgemm beta 1 M {} ld {} N {} K {} ldc {}", M, ld, N, K, ldc)));
     }
   }
 }

@@ -295,15 +295,18 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
   // 128 x 1024 x 1024 2018 vs 2174 us but 128 x 10 x 1024 106 vs 48), so there it keeps to those.
   //
   // C = A^T B (a weight gradient dY^T X) with A's rows a multiple of 4 KiB apart and C at least
-  // twice as tall as wide is likewise 15-35% slower than C^T = B^T A (one Intel Xeon core with AMX,
-  // oneDNN 2.6, cold caches, transposes not included: 1024 x 256 x 1024 105 vs 134 GFLOP/s,
-  // 2048 x 256 x 1024 109 vs 145, 1024 x 64 x 1024 89 vs 114; with A's rows 4160 bytes apart the
-  // swap loses, 137 vs 128, and a square C gains too little to pay for the transposes).
+  // twice as tall as wide is likewise 15-35% slower than C^T = B^T A when K (the batch) is large
+  // (one Intel Xeon core with AMX, oneDNN 2.6, cold caches, transposes not included: 1024 x 256 x
+  // 1024 105 vs 134 GFLOP/s, 2048 x 256 x 1024 109 vs 145, 1024 x 64 x 1024 89 vs 114; transposes
+  // included: 600 x 300 x 1024 3.8 vs 3.2 ms, 256 x 64 x 1024 350 vs 327 us). It loses with A's rows
+  // 4160 bytes apart (137 vs 128 GFLOP/s), for a square C (too little gain for the transposes),
+  // below 256 rows (64 x 32 x 1024 83 vs 99 us) and for small K (1024 x 256 x 128 581 vs 727 us,
+  // 2048 x 256 x 512 4.2 vs 4.2-4.4 ms), hence K >= 768.
   static const bool intel = cpu_features().intel;
   const bool aliased = ldb % 1024 == 0 && M <= 128 && (intel ? M >= 8 && (M <= 64 || N < 128) : M >= 2);
   const bool few_rows = M >= 8 && M <= 64 && N >= 128;
   const bool nt_swap = transa == 'N' && transb == 'T' && (aliased || few_rows);
-  const bool tn_swap = transa == 'T' && transb == 'N' && lda % 1024 == 0 && 2 * N <= M;
+  const bool tn_swap = transa == 'T' && transb == 'N' && lda % 1024 == 0 && M >= 256 && 2 * N <= M && K >= 768;
   const bool swap = (nt_swap || tn_swap) && N >= 2 && ldc == N && K > 0;
   dnnl_sync_threads();
   const KernelTimer timer(KernelKind::gemm, 2.0 * static_cast<double>(M) * static_cast<double>(N * K));
