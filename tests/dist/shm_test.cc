@@ -516,17 +516,15 @@ TEST(Shm, ReduceArraysToStoresTheSameBitsIntoEveryOutput) {
             // left-to-right sum divided once.
             for (int64_t i = 0; i < count; ++i) {
               std::vector<uint8_t> model(es);
-              if (d == DType::f32) {
-                float acc = static_cast<const float*>(ptrs[0])[i];
-                for (int k = 1; k < nin; ++k) acc = acc + static_cast<const float*>(ptrs[static_cast<size_t>(k)])[i];
-                acc = acc / static_cast<float>(nin);
+              auto sum_then_divide = [&](auto zero) {
+                using F = decltype(zero);
+                F acc = static_cast<const F*>(ptrs[0])[i];
+                for (int k = 1; k < nin; ++k) acc = acc + static_cast<const F*>(ptrs[static_cast<size_t>(k)])[i];
+                acc = acc / static_cast<F>(nin);
                 std::memcpy(model.data(), &acc, es);
-              } else {
-                double acc = static_cast<const double*>(ptrs[0])[i];
-                for (int k = 1; k < nin; ++k) acc = acc + static_cast<const double*>(ptrs[static_cast<size_t>(k)])[i];
-                acc = acc / static_cast<double>(nin);
-                std::memcpy(model.data(), &acc, es);
-              }
+              };
+              if (d == DType::f32) sum_then_divide(0.0f);
+              else sum_then_divide(0.0);
               ASSERT_TRUE(same_element(d, want.data() + i * es, model.data()))
                   << "AVG nin " << nin << " element " << i << ": " << get(want.data(), d, i) << " vs " << get(model.data(), d, 0);
             }

@@ -302,8 +302,8 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, const floa
   // 4160 bytes apart (137 vs 128 GFLOP/s), for a square C (too little gain for the transposes),
   // below 256 rows (64 x 32 x 1024 83 vs 99 us) and for small K (1024 x 256 x 128 581 vs 727 us,
   // 2048 x 256 x 512 4.2 vs 4.2-4.4 ms), hence K >= 768.
-  static const bool intel = cpu_features().intel;
-  const bool aliased = ldb % 1024 == 0 && M <= 128 && (intel ? M >= 8 && (M <= 64 || N < 128) : M >= 2);
+  const bool aliased =
+      ldb % 1024 == 0 && M <= 128 && (cpu_features().intel ? M >= 8 && (M <= 64 || N < 128) : M >= 2);
   const bool few_rows = M >= 8 && M <= 64 && N >= 128;
   const bool nt_swap = transa == 'N' && transb == 'T' && (aliased || few_rows);
   const bool tn_swap = transa == 'T' && transb == 'N' && lda % 1024 == 0 && M >= 256 && 2 * N <= M && K >= 768;
