@@ -490,3 +490,126 @@ TEST(DDPSemantics, EvalModeReducesGradientsAndUsesRankZerosBuffers) {
       expect_close(got[p].second.grad(), want[p].second.grad(), "eval-mode gradient of " + got[p].first);
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// params_and_buffers_to_ignore (torch's _set_params_and_buffers_to_ignore_for_model) and
+// init_sync. Rank r's replica differs from rank 0's in "0.weight" (ignored: kept and trained on
+// the rank's own gradient) and "2.weight" (not ignored: broadcast from rank 0 at construction);
+// "1.running_mean" is ignored, so the forward after a synchronized one broadcasts only the other
+// buffers.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+std::shared_ptr<td::nn::Sequential> ignore_probe(int r) {
+  td::manual_seed(5);
+  auto net = std::make_shared<td::nn::Sequential>();
+  net->push_back(std::make_shared<td::nn::Linear>(3, 2));
+  net->push_back(std::make_shared<td::nn::BatchNorm1d>(2));
+  net->push_back(std::make_shared<td::nn::Linear>(2, 2));
+  td::NoGradGuard no_grad;
+  for (const char* name : {"0.weight", "2.weight"}) {
+    for (auto& [n, p] : net->named_parameters()) {
+      if (n == name) p.copy_(td::ops::add(p, static_cast<double>(r)));
+    }
+  }
+  return net;
+}
+
+Tensor named(const td::nn::Module& m, const std::string& name) {
+  for (const auto& [n, t] : m.named_parameters()) {
+    if (n == name) return t;
+  }
+  for (const auto& [n, t] : m.named_buffers()) {
+    if (n == name) return t;
+  }
+  fail("no tensor '" + name + "'");
+  return {};
+}
+
+Tensor ignore_input(int r) {
+  td::Generator gen(static_cast<uint64_t>(60 + r));
+  return td::ops::add(td::ops::mul(td::randn({4, 3}, td::kFloat32, &gen), r + 1.0), static_cast<double>(r));
+}
+}  // namespace
+
+TEST(DDPSemantics, IgnoredParametersAndBuffersStayRankLocal) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = ignore_probe(rank);
+    DistributedDataParallel ddp(model, group, DDPOptions{.params_and_buffers_to_ignore = {"0.weight", "1.running_mean"}});
+    // Rank r's replica after construction: its own 0.weight, rank 0's everything else.
+    auto replica = [](int r) {
+      auto net = ignore_probe(0);
+      td::NoGradGuard no_grad;
+      named(*net, "0.weight").copy_(named(*ignore_probe(r), "0.weight"));
+      return net;
+    };
+    expect_close(named(*model, "0.weight"), named(*ignore_probe(rank), "0.weight"), "construction keeps the ignored 0.weight");
+    expect_close(named(*model, "2.weight"), named(*ignore_probe(0), "2.weight"), "construction broadcasts 2.weight");
+    int64_t slots = 0;
+    for (const auto& b : ddp.reducer().bucket_indices()) slots += static_cast<int64_t>(b.size());
+    if (slots != 5) fail(fmt::format("buckets hold {} parameters, want 5 (all but 0.weight)", slots));
+
+    td::ops::sum(ddp(ignore_input(rank))).backward();
+    std::vector<std::shared_ptr<td::nn::Sequential>> refs;
+    for (int r = 0; r < 2; ++r) {
+      refs.push_back(replica(r));
+      td::ops::sum(refs.back()->forward(ignore_input(r))).backward();
+    }
+    for (const auto& [name, p] : model->named_parameters()) {
+      const Tensor want = name == "0.weight"
+                              ? named(*refs[static_cast<size_t>(rank)], name).grad()
+                              : td::ops::mul(td::ops::add(named(*refs[0], name).grad(), named(*refs[1], name).grad()), 0.5);
+      expect_close(p.grad(), want, "gradient of " + name + (name == "0.weight" ? " (the rank's own)" : " (averaged)"));
+    }
+
+    // The eval forward after the synchronized one broadcasts rank 0's buffers, except the ignored.
+    ddp.eval();
+    {
+      td::NoGradGuard no_grad;
+      ddp(td::ones({1, 3}));
+    }
+    expect_close(named(*model, "1.running_mean"), named(*refs[static_cast<size_t>(rank)], "1.running_mean"),
+                 "the ignored running_mean stays the rank's own");
+    expect_close(named(*model, "1.running_var"), named(*refs[0], "1.running_var"), "running_var is rank 0's");
+
+    // The replicas differ only in what is ignored, optimizer state (momentum of the rank's own
+    // 0.weight gradient) included: the replica check passes.
+    td::optim::SGD opt(model->parameters(), td::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    ddp.attach_optimizer(&opt);
+    opt.step();
+    ddp.check_replicas();
+  });
+}
+
+TEST(DDPSemantics, IgnoringANameTheModuleDoesNotHaveIsAnErrorNamingIt) {
+  on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
+    try {
+      DistributedDataParallel ddp(ignore_probe(0), group, DDPOptions{.params_and_buffers_to_ignore = {"0.wieght"}});
+    } catch (const td::ValueError& e) {
+      const std::string msg = e.what();
+      if (msg.find("'0.wieght'") == std::string::npos || msg.find("neither a parameter nor a buffer") == std::string::npos)
+        fail("unexpected message: " + msg);
+      return;
+    }
+    fail("an unknown name in params_and_buffers_to_ignore was accepted");
+  });
+}
+
+TEST(DDPSemantics, WithoutInitSyncReplicasAreTakenAsTheyAreAndTheReplicaCheckCatchesADifference) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = ignore_probe(rank);
+    DistributedDataParallel ddp(model, group, DDPOptions{.init_sync = false});
+    expect_close(named(*model, "2.weight"), named(*ignore_probe(rank), "2.weight"), "no broadcast without init_sync");
+    try {
+      ddp.check_replicas();
+    } catch (const td::ValueError& e) {
+      const std::string msg = e.what();
+      if (msg.find("parameter '0.weight' differs between rank 0 and rank(s) 1") == std::string::npos)
+        fail("unexpected message: " + msg);
+      return;
+    }
+    fail("check_replicas passed over replicas that differ");
+  });
+}

@@ -1,6 +1,7 @@
 // DistributedDataParallel: construction-time agreement, forward bookkeeping, replica checks.
 #include "tandem/parallel/ddp.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -23,12 +24,12 @@ uint64_t checksum(const Tensor& t) {
 }
 
 // One line per tensor: "kind name shape dtype".
-std::vector<std::string> describe(const nn::Module& m) {
+std::vector<std::string> describe(const nn::NamedTensors& params, const nn::NamedTensors& buffers) {
   std::vector<std::string> lines;
-  for (const auto& [name, t] : m.named_parameters()) {
+  for (const auto& [name, t] : params) {
     lines.push_back(fmt::format("parameter '{}' {} {}", name, shape_str(t.shape()), dtype_name(t.dtype())));
   }
-  for (const auto& [name, t] : m.named_buffers()) {
+  for (const auto& [name, t] : buffers) {
     lines.push_back(fmt::format("buffer '{}' {} {}", name, shape_str(t.shape()), dtype_name(t.dtype())));
   }
   return lines;
@@ -94,20 +95,29 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   TANDEM_CHECK(group_ != nullptr, ValueError,
                "DistributedDataParallel: process group is null (call dist::init_process_group first)");
   register_module("module", module_);
-  check_same_model();
-
-  // Rank 0's values everywhere.
-  {
+  if (!options_.params_and_buffers_to_ignore.empty()) {
+    std::set<std::string> known;
+    for (const auto& [name, t] : module_->named_parameters()) known.insert(name);
+    for (const auto& [name, t] : module_->named_buffers()) known.insert(name);
+    for (const auto& name : options_.params_and_buffers_to_ignore) {
+      TANDEM_CHECK(known.count(name) != 0, ValueError,
+                   "DistributedDataParallel: params_and_buffers_to_ignore names '{}', which is neither a parameter "
+                   "nor a buffer of the wrapped module; use the names named_parameters() / named_buffers() give "
+                   "(e.g. '{}')",
+                   name, known.empty() ? std::string("none: the module has no tensors") : *known.begin());
+      ignored_.insert(name);
+    }
+  }
+  if (options_.init_sync) {
+    check_same_model();
     NoGradGuard no_grad;
-    std::vector<Tensor> all = module_->parameters();
-    for (auto& b : module_->buffers()) all.push_back(b);
-    broadcast_tensors(all);
+    broadcast_tensors(synced_states());  // rank 0's values everywhere
   }
 
   std::vector<std::pair<std::string, Tensor>> trainable;
   for (auto& [name, t] : module_->named_parameters()) {
     dtypes_.emplace_back(name, t.dtype());
-    if (t.requires_grad()) trainable.emplace_back(name, t);
+    if (t.requires_grad() && ignored_.count(name) == 0) trainable.emplace_back(name, t);
   }
   ReducerOptions ro;
   ro.bucket_cap_mb = options_.bucket_cap_mb;
@@ -122,8 +132,27 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
+nn::NamedTensors DistributedDataParallel::synced_parameters() const {
+  nn::NamedTensors out = module_->named_parameters();
+  if (!ignored_.empty()) std::erase_if(out, [&](const auto& nt) { return ignored_.count(nt.first) != 0; });
+  return out;
+}
+
+nn::NamedTensors DistributedDataParallel::synced_buffers() const {
+  nn::NamedTensors out = module_->named_buffers();
+  if (!ignored_.empty()) std::erase_if(out, [&](const auto& nt) { return ignored_.count(nt.first) != 0; });
+  return out;
+}
+
+std::vector<Tensor> DistributedDataParallel::synced_states() const {
+  std::vector<Tensor> all;
+  for (auto& [name, t] : synced_parameters()) all.push_back(t);
+  for (auto& [name, t] : synced_buffers()) all.push_back(t);
+  return all;
+}
+
 void DistributedDataParallel::check_same_model() {
-  const std::vector<std::string> lines = describe(*module_);
+  const std::vector<std::string> lines = describe(synced_parameters(), synced_buffers());
   const std::string text = join_lines(lines);
   const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(text.data(), text.size()))});
   int differing = -1;
@@ -210,7 +239,9 @@ void DistributedDataParallel::before_forward() {
   // Under join they come from the highest rank still training.
   if (options_.broadcast_buffers && require_forward_param_sync_ && group_->size() > 1) {
     NoGradGuard no_grad;
-    broadcast_tensors(module_->buffers(), buffer_root);
+    std::vector<Tensor> buffers;
+    for (auto& [name, b] : synced_buffers()) buffers.push_back(b);
+    broadcast_tensors(buffers, buffer_root);
   }
   if (!is_training()) return;
   ++forwards_;
@@ -280,7 +311,9 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
     }
     if (options_.broadcast_buffers && require_forward_param_sync_) {
       NoGradGuard no_grad;
-      broadcast_tensors(module_->buffers(), round.highest_active);
+      std::vector<Tensor> buffers;
+      for (auto& [name, b] : synced_buffers()) buffers.push_back(b);
+      broadcast_tensors(buffers, round.highest_active);
     }
     require_forward_param_sync_ = round.sync;
     if (round.sync) reducer_->shadow_backward();
@@ -293,9 +326,7 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
   const int root = static_cast<int>(agree.data_ptr<int64_t>()[0]);
   forwards_ = agree.data_ptr<int64_t>()[1];
   NoGradGuard no_grad;
-  std::vector<Tensor> all = module_->parameters();
-  for (auto& b : module_->buffers()) all.push_back(b);
-  broadcast_tensors(all, root);
+  broadcast_tensors(synced_states(), root);
 }
 
 Tensor DistributedDataParallel::forward(const Tensor& x) {
@@ -316,7 +347,12 @@ Tensor DistributedDataParallel::forward_with(const std::function<Tensor()>& fn) 
 void DistributedDataParallel::check_replicas() {
   std::vector<std::string> names;
   std::vector<int64_t> sums;
+  std::vector<const TensorImpl*> ignored;  // the ignored parameters, whose optimizer state is rank-local too
   for (const auto& [name, t] : module_->named_parameters()) {
+    if (ignored_.count(name) != 0) {
+      ignored.push_back(t.impl_ptr().get());
+      continue;
+    }
     names.push_back("parameter '" + name + "'");
     sums.push_back(static_cast<int64_t>(checksum(t)));
   }
@@ -325,7 +361,8 @@ void DistributedDataParallel::check_replicas() {
     size_t i = 0;
     for (const auto& g : optimizer_->param_groups()) {
       for (const auto& p : g.params) {
-        if (const auto* st = optimizer_->state(p)) {
+        const bool skip = std::find(ignored.begin(), ignored.end(), p.impl_ptr().get()) != ignored.end();
+        if (const auto* st = skip ? nullptr : optimizer_->state(p)) {
           for (const auto& [key, t] : *st) {
             names.push_back(fmt::format("optimizer state[{}].{}", i, key));
             sums.push_back(static_cast<int64_t>(checksum(t)));

@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,17 @@ struct DDPOptions {
   // bitwise equal gradients when k (micro-batches per rank) is a power of two. Costs an
   // all_gather of all gradients instead of overlapped all-reduces.
   bool deterministic = false;
+  // Fully qualified names (as the wrapped module's named_parameters() / named_buffers() give them)
+  // of tensors DDP leaves alone (torch's _set_params_and_buffers_to_ignore_for_model): a parameter
+  // trained rank-locally or synchronized by other means, a rank-specific buffer. They are not
+  // compared or broadcast at construction, not bucketed or reduced (an ignored parameter keeps its
+  // rank's own gradient), not broadcast at forwards or at the end of join, and left out of
+  // check_replicas (with their optimizer state). A name the module does not have is a ValueError.
+  std::vector<std::string> params_and_buffers_to_ignore;
+  // torch's init_sync: false skips the construction-time comparison of the replicas and the
+  // broadcast of rank 0's parameters and buffers; the caller guarantees equal replicas (e.g. every
+  // rank loaded the same checkpoint). check_replicas_every catches a broken promise.
+  bool init_sync = true;
 };
 
 // DistributedDataParallel::join's arguments (torch's DistributedDataParallel.join).
@@ -128,6 +140,10 @@ class DistributedDataParallel : public nn::Module {
 
  private:
   void check_same_model();
+  // The wrapped module's parameters / buffers without params_and_buffers_to_ignore.
+  nn::NamedTensors synced_parameters() const;
+  nn::NamedTensors synced_buffers() const;
+  std::vector<Tensor> synced_states() const;  // parameters, then buffers
   void broadcast_tensors(const std::vector<Tensor>& tensors, int root = 0);
   void before_forward();
   // One join round: every rank says whether it still trains and whether the backward after this
@@ -144,6 +160,7 @@ class DistributedDataParallel : public nn::Module {
   DDPOptions options_;
   std::shared_ptr<Reducer> reducer_;
   std::vector<std::pair<std::string, DType>> dtypes_;  // at construction, to detect a later cast
+  std::set<std::string> ignored_;                       // options_.params_and_buffers_to_ignore
   bool require_sync_ = true;
   // Whether the next forward broadcasts buffers: after construction and after a forward whose
   // backward reduces (PyTorch's require_forward_param_sync).
