@@ -496,7 +496,7 @@ TEST(DDPSemantics, EvalModeReducesGradientsAndUsesRankZerosBuffers) {
 // init_sync. Rank r's replica differs from rank 0's in "0.weight" (ignored: kept and trained on
 // the rank's own gradient) and "2.weight" (not ignored: broadcast from rank 0 at construction);
 // "1.running_mean" is ignored, so the forward after a synchronized one broadcasts only the other
-// buffers.
+// buffers; so is "rank_local", a buffer of a different shape on each rank.
 // ---------------------------------------------------------------------------------------------
 
 namespace {
@@ -536,7 +536,10 @@ TEST(DDPSemantics, IgnoredParametersAndBuffersStayRankLocal) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
     const int rank = group->rank();
     auto model = ignore_probe(rank);
-    DistributedDataParallel ddp(model, group, DDPOptions{.params_and_buffers_to_ignore = {"0.weight", "1.running_mean"}});
+    // A buffer whose shape differs across ranks: ignored, it does not make the replicas "differ".
+    model->register_buffer("rank_local", td::zeros({rank + 1}));
+    DistributedDataParallel ddp(model, group,
+                                DDPOptions{.params_and_buffers_to_ignore = {"0.weight", "1.running_mean", "rank_local"}});
     // Rank r's replica after construction: its own 0.weight, rank 0's everything else.
     auto replica = [](int r) {
       auto net = ignore_probe(0);
