@@ -144,10 +144,16 @@ nn::NamedTensors DistributedDataParallel::synced_buffers() const {
   return out;
 }
 
+std::vector<Tensor> DistributedDataParallel::synced_buffer_tensors() const {
+  std::vector<Tensor> out;
+  for (auto& [name, t] : synced_buffers()) out.push_back(t);
+  return out;
+}
+
 std::vector<Tensor> DistributedDataParallel::synced_states() const {
   std::vector<Tensor> all;
   for (auto& [name, t] : synced_parameters()) all.push_back(t);
-  for (auto& [name, t] : synced_buffers()) all.push_back(t);
+  for (auto& t : synced_buffer_tensors()) all.push_back(t);
   return all;
 }
 
@@ -239,9 +245,7 @@ void DistributedDataParallel::before_forward() {
   // Under join they come from the highest rank still training.
   if (options_.broadcast_buffers && require_forward_param_sync_ && group_->size() > 1) {
     NoGradGuard no_grad;
-    std::vector<Tensor> buffers;
-    for (auto& [name, b] : synced_buffers()) buffers.push_back(b);
-    broadcast_tensors(buffers, buffer_root);
+    broadcast_tensors(synced_buffer_tensors(), buffer_root);
   }
   if (!is_training()) return;
   ++forwards_;
@@ -311,9 +315,7 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
     }
     if (options_.broadcast_buffers && require_forward_param_sync_) {
       NoGradGuard no_grad;
-      std::vector<Tensor> buffers;
-      for (auto& [name, b] : synced_buffers()) buffers.push_back(b);
-      broadcast_tensors(buffers, round.highest_active);
+      broadcast_tensors(synced_buffer_tensors(), round.highest_active);
     }
     require_forward_param_sync_ = round.sync;
     if (round.sync) reducer_->shadow_backward();

@@ -143,6 +143,7 @@ class DistributedDataParallel : public nn::Module {
   // The wrapped module's parameters / buffers without params_and_buffers_to_ignore.
   nn::NamedTensors synced_parameters() const;
   nn::NamedTensors synced_buffers() const;
+  std::vector<Tensor> synced_buffer_tensors() const;
   std::vector<Tensor> synced_states() const;  // parameters, then buffers
   void broadcast_tensors(const std::vector<Tensor>& tensors, int root = 0);
   void before_forward();
