@@ -616,3 +616,24 @@ TEST(DDPSemantics, WithoutInitSyncReplicasAreTakenAsTheyAreAndTheReplicaCheckCat
     fail("check_replicas passed over replicas that differ");
   });
 }
+
+TEST(DDPSemantics, JoinLeavesIgnoredTensorsRankLocal) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = ignore_probe(rank);
+    DistributedDataParallel ddp(model, group, DDPOptions{.params_and_buffers_to_ignore = {"0.weight"}});
+    td::optim::SGD opt(model->parameters(), td::optim::SGDOptions{.lr = 0.1});
+    Tensor mine;  // this rank's ignored 0.weight when its loop ends
+    ddp.join([&] {
+      for (int i = 0; i < (rank == 0 ? 3 : 1); ++i) {
+        opt.zero_grad();
+        td::ops::sum(ddp(ignore_input(rank + 2 * i))).backward();
+        opt.step();
+      }
+      mine = named(*model, "0.weight").clone();
+    });
+    // join ends with rank 0's parameters everywhere (it trained longest), except the ignored one.
+    expect_close(named(*model, "0.weight"), mine, "join keeps the rank's own ignored 0.weight");
+    ddp.check_replicas();
+  });
+}
