@@ -32,7 +32,7 @@ struct Args : td::bench::CommonArgs {
   int nproc = 1;
   int64_t batch = 0;  // per rank; 0: the workload's default (w1 128, w2 64, w3 8)
   td::parallel::DDPOptions ddp;  // PyTorch's defaults unless a flag changes them (profiling)
-  // none | fp16 | bf16 | powersgd (rank --powersgd-rank, from the 3rd iteration, error feedback and
+  // none | fp16 | bf16 | noop (no communication: the all-reduce's cost by difference) | powersgd (rank --powersgd-rank, from the 3rd iteration, error feedback and
   // warm start on: torch's defaults but start_powerSGD_iter, which the warmup steps pass).
   std::string comm_hook = "none";
   int64_t powersgd_rank = 1;
@@ -109,6 +109,8 @@ void run_rank(const Args& a) {
     ddp.register_comm_hook(td::parallel::fp16_compress_hook);
   } else if (a.comm_hook == "bf16") {
     ddp.register_comm_hook(td::parallel::bf16_compress_hook);
+  } else if (a.comm_hook == "noop") {
+    ddp.register_comm_hook(td::parallel::noop_hook);  // DDP without the all-reduce: what communication costs
   } else if (a.comm_hook == "powersgd") {
     ddp.register_comm_hook(td::parallel::powerSGD_hook(std::make_shared<td::parallel::PowerSGDState>(
         td::parallel::PowerSGDOptions{.matrix_approximation_rank = a.powersgd_rank, .start_powerSGD_iter = 2})));
@@ -119,7 +121,7 @@ void run_rank(const Args& a) {
         td::parallel::PostLocalSGDOptions{.start_localSGD_iter = 2, .post_local_gradient_allreduce = false})));
     averager = std::make_unique<td::parallel::PeriodicModelAverager>(4, 2, group);
   } else if (a.comm_hook != "none") {
-    throw td::ValueError(fmt::format("--comm-hook must be none, fp16, bf16, powersgd or localsgd, got '{}'", a.comm_hook));
+    throw td::ValueError(fmt::format("--comm-hook must be none, fp16, bf16, noop, powersgd or localsgd, got '{}'", a.comm_hook));
   }
   if (a.workload == "w1") {
     opt = std::make_unique<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
@@ -213,7 +215,7 @@ int main(int argc, char** argv) try {
   td::bench::parse_args(argc, argv, a,
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
-                        "[--gradient-as-bucket-view] [--delay-allreduce] [--deterministic] [--check-replicas-every N] [--comm-hook none|fp16|bf16|powersgd|localsgd] "
+                        "[--gradient-as-bucket-view] [--delay-allreduce] [--deterministic] [--check-replicas-every N] [--comm-hook none|fp16|bf16|noop|powersgd|localsgd] "
                         "[--powersgd-rank R] [--sync-bn]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();

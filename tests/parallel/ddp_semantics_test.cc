@@ -637,3 +637,20 @@ TEST(DDPSemantics, JoinLeavesIgnoredTensorsRankLocal) {
     ddp.check_replicas();
   });
 }
+
+// noop_hook (torch's debugging hook): DDP's bookkeeping without the all-reduce, each rank keeps
+// its own gradients.
+TEST(DDPSemantics, NoopHookLeavesEveryRankItsOwnGradients) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = std::make_shared<Probe>();
+    DistributedDataParallel ddp(model, group);
+    ddp.register_comm_hook(td::parallel::noop_hook);
+    auto reference = std::make_shared<Probe>();
+    td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(0, rank, 0), true); })).backward();
+    td::ops::sum(reference->run(probe_input(0, rank, 0), true)).backward();
+    expect_close(model->w1.grad(), reference->w1.grad(), "w1: the rank's own gradient");
+    expect_close(model->w2.grad(), reference->w2.grad(), "w2: the rank's own gradient");
+    expect_close(model->extra.grad(), reference->extra.grad(), "extra: the rank's own gradient");
+  });
+}

@@ -644,6 +644,10 @@ HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket) {
   return {group.all_reduce(bucket.buffer, dist::ReduceOp::AVG), nullptr};
 }
 
+HookResult noop_hook(dist::ProcessGroup& /*group*/, GradBucket& bucket) {
+  return {dist::Work::completed(fmt::format("noop_hook (bucket {})", bucket.index)), nullptr};
+}
+
 namespace {
 // `hook` on a `wire` copy of an f32 bucket (its buffer and per-parameter views), the result cast
 // back into the bucket after it; a bucket that is not f32 goes to `hook` as it is.

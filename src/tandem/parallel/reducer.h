@@ -209,6 +209,10 @@ HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket);
 // f32 bucket sent as f16 / bf16 (the backend accumulates in f32), averaged, cast back.
 HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
 HookResult bf16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
+// torch's debugging_hooks.noop_hook: no communication, every rank keeps its own gradients. For
+// measuring what the all-reduce costs (DDP on N ranks minus the communication); the replicas
+// diverge, so it is not for training.
+HookResult noop_hook(dist::ProcessGroup& group, GradBucket& bucket);
 // torch's fp16_compress_wrapper / bf16_compress_wrapper: `hook` runs on a 16-bit copy of the bucket
 // (buffer and per-parameter views), whose result is cast back into the bucket. Meant for
 // powerSGD_hook (its factors then go in 16 bits; it computes in f32 either way). A bucket that is
