@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/dist/process_group.h"
@@ -526,6 +527,20 @@ Tensor named(const td::nn::Module& m, const std::string& name) {
   return {};
 }
 
+// `fn` must throw ValueError with every needle in its message.
+void expect_value_error(const std::function<void()>& fn, const std::vector<std::string>& needles, const std::string& what) {
+  try {
+    fn();
+  } catch (const td::ValueError& e) {
+    const std::string msg = e.what();
+    for (const auto& n : needles) {
+      if (msg.find(n) == std::string::npos) fail(what + ": the message lacks \"" + n + "\": " + msg);
+    }
+    return;
+  }
+  fail(what + ": no ValueError");
+}
+
 Tensor ignore_input(int r) {
   td::Generator gen(static_cast<uint64_t>(60 + r));
   return td::ops::add(td::ops::mul(td::randn({4, 3}, td::kFloat32, &gen), r + 1.0), static_cast<double>(r));
@@ -587,15 +602,8 @@ TEST(DDPSemantics, IgnoredParametersAndBuffersStayRankLocal) {
 
 TEST(DDPSemantics, IgnoringANameTheModuleDoesNotHaveIsAnErrorNamingIt) {
   on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
-    try {
-      DistributedDataParallel ddp(ignore_probe(0), group, DDPOptions{.params_and_buffers_to_ignore = {"0.wieght"}});
-    } catch (const td::ValueError& e) {
-      const std::string msg = e.what();
-      if (msg.find("'0.wieght'") == std::string::npos || msg.find("neither a parameter nor a buffer") == std::string::npos)
-        fail("unexpected message: " + msg);
-      return;
-    }
-    fail("an unknown name in params_and_buffers_to_ignore was accepted");
+    expect_value_error([&] { DistributedDataParallel(ignore_probe(0), group, DDPOptions{.params_and_buffers_to_ignore = {"0.wieght"}}); },
+                       {"'0.wieght'", "neither a parameter nor a buffer"}, "an unknown name in params_and_buffers_to_ignore");
   });
 }
 
@@ -605,15 +613,8 @@ TEST(DDPSemantics, WithoutInitSyncReplicasAreTakenAsTheyAreAndTheReplicaCheckCat
     auto model = ignore_probe(rank);
     DistributedDataParallel ddp(model, group, DDPOptions{.init_sync = false});
     expect_close(named(*model, "2.weight"), named(*ignore_probe(rank), "2.weight"), "no broadcast without init_sync");
-    try {
-      ddp.check_replicas();
-    } catch (const td::ValueError& e) {
-      const std::string msg = e.what();
-      if (msg.find("parameter '0.weight' differs between rank 0 and rank(s) 1") == std::string::npos)
-        fail("unexpected message: " + msg);
-      return;
-    }
-    fail("check_replicas passed over replicas that differ");
+    expect_value_error([&] { ddp.check_replicas(); }, {"parameter '0.weight' differs between rank 0 and rank(s) 1"},
+                       "check_replicas over replicas that differ");
   });
 }
 
