@@ -509,23 +509,14 @@ std::shared_ptr<td::nn::Sequential> ignore_probe(int r) {
   net->push_back(std::make_shared<td::nn::Linear>(2, 2));
   td::NoGradGuard no_grad;
   for (const char* name : {"0.weight", "2.weight"}) {
-    for (auto& [n, p] : net->named_parameters()) {
-      if (n == name) p.copy_(td::ops::add(p, static_cast<double>(r)));
-    }
+    Tensor p = td::testing::find_tensor(net->state_dict(), name);
+    p.copy_(td::ops::add(p, static_cast<double>(r)));
   }
   return net;
 }
 
-Tensor named(const td::nn::Module& m, const std::string& name) {
-  for (const auto& [n, t] : m.named_parameters()) {
-    if (n == name) return t;
-  }
-  for (const auto& [n, t] : m.named_buffers()) {
-    if (n == name) return t;
-  }
-  fail("no tensor '" + name + "'");
-  return {};
-}
+// A parameter or buffer of `m` by name, the live tensor (state_dict shares them).
+Tensor named(const td::nn::Module& m, const std::string& name) { return td::testing::find_tensor(m.state_dict(), name); }
 
 // `fn` must throw ValueError with every needle in its message.
 void expect_value_error(const std::function<void()>& fn, const std::vector<std::string>& needles, const std::string& what) {

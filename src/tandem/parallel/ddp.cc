@@ -132,33 +132,26 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
-nn::NamedTensors DistributedDataParallel::synced_parameters() const {
-  nn::NamedTensors out = module_->named_parameters();
-  if (!ignored_.empty()) std::erase_if(out, [&](const auto& nt) { return ignored_.count(nt.first) != 0; });
-  return out;
-}
-
-nn::NamedTensors DistributedDataParallel::synced_buffers() const {
-  nn::NamedTensors out = module_->named_buffers();
-  if (!ignored_.empty()) std::erase_if(out, [&](const auto& nt) { return ignored_.count(nt.first) != 0; });
-  return out;
+nn::NamedTensors DistributedDataParallel::without_ignored(nn::NamedTensors tensors) const {
+  if (!ignored_.empty()) std::erase_if(tensors, [&](const auto& nt) { return ignored_.count(nt.first) != 0; });
+  return tensors;
 }
 
 std::vector<Tensor> DistributedDataParallel::synced_buffer_tensors() const {
   std::vector<Tensor> out;
-  for (auto& [name, t] : synced_buffers()) out.push_back(t);
+  for (auto& [name, t] : without_ignored(module_->named_buffers())) out.push_back(t);
   return out;
 }
 
 std::vector<Tensor> DistributedDataParallel::synced_states() const {
   std::vector<Tensor> all;
-  for (auto& [name, t] : synced_parameters()) all.push_back(t);
+  for (auto& [name, t] : without_ignored(module_->named_parameters())) all.push_back(t);
   for (auto& t : synced_buffer_tensors()) all.push_back(t);
   return all;
 }
 
 void DistributedDataParallel::check_same_model() {
-  const std::vector<std::string> lines = describe(synced_parameters(), synced_buffers());
+  const std::vector<std::string> lines = describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers()));
   const std::string text = join_lines(lines);
   const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(text.data(), text.size()))});
   int differing = -1;

@@ -140,11 +140,10 @@ class DistributedDataParallel : public nn::Module {
 
  private:
   void check_same_model();
-  // The wrapped module's parameters / buffers without params_and_buffers_to_ignore.
-  nn::NamedTensors synced_parameters() const;
-  nn::NamedTensors synced_buffers() const;
-  std::vector<Tensor> synced_buffer_tensors() const;
-  std::vector<Tensor> synced_states() const;  // parameters, then buffers
+  // `tensors` (the wrapped module's named parameters or buffers) less params_and_buffers_to_ignore.
+  nn::NamedTensors without_ignored(nn::NamedTensors tensors) const;
+  std::vector<Tensor> synced_buffer_tensors() const;  // the buffers DDP broadcasts
+  std::vector<Tensor> synced_states() const;          // the parameters, then the buffers
   void broadcast_tensors(const std::vector<Tensor>& tensors, int root = 0);
   void before_forward();
   // One join round: every rank says whether it still trains and whether the backward after this
