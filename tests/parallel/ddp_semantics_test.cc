@@ -646,3 +646,100 @@ TEST(DDPSemantics, NoopHookLeavesEveryRankItsOwnGradients) {
     expect_close(model->extra.grad(), reference->extra.grad(), "extra: the rank's own gradient");
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// SyncBatchNorm over subgroups while DDP spans the world (torch's convert_sync_batchnorm(model,
+// process_group=subgroup), the "BN group size" of detection training): 4 ranks, DDP over all of
+// them, BatchNorm statistics over the pairs {0, 1} and {2, 3} (new_subgroups(2)). Every step
+// equals a single process that runs each pair's concatenated batch through plain BatchNorm and
+// averages the four ranks' losses; the running statistics follow pair 0's batches, since DDP
+// broadcasts rank 0's buffers at every forward after a synchronized one.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+std::shared_ptr<td::nn::Sequential> subgroup_bn_net() {
+  td::manual_seed(9);
+  auto net = std::make_shared<td::nn::Sequential>();
+  net->push_back(std::make_shared<td::nn::Linear>(4, 3));
+  net->push_back(std::make_shared<td::nn::BatchNorm1d>(3));
+  net->push_back(std::make_shared<td::nn::Tanh>());
+  net->push_back(std::make_shared<td::nn::Linear>(3, 2));
+  return net;
+}
+
+// Rank r's batch at `step`: 3 samples, a different scale and offset per rank so the two pairs'
+// statistics differ.
+Tensor subgroup_bn_input(int step, int r) {
+  td::Generator gen(static_cast<uint64_t>(500 + 10 * step + r));
+  return td::ops::add(td::ops::mul(td::randn({3, 4}, td::kFloat32, &gen), 1.0 + r), 0.5 * r);
+}
+
+// Each rank's loss: the mean square of its outputs.
+Tensor subgroup_bn_loss(const Tensor& out) { return td::ops::mean(td::ops::mul(out, out)); }
+}  // namespace
+
+TEST(DDPSemantics, SyncBatchNormOverSubgroupsUnderDDPOverTheWorld) {
+  on_ranks(4, [&](std::shared_ptr<ProcessGroup> world) {
+    const int rank = world->rank();
+    auto pair = td::dist::new_subgroups(2);
+    if (pair->size() != 2) fail("new_subgroups(2) gave a group of " + std::to_string(pair->size()));
+    auto model = subgroup_bn_net();
+    if (td::parallel::convert_sync_batchnorm(*model, pair) != 1) fail("expected one converted layer");
+    DistributedDataParallel ddp(model, world);
+    td::optim::SGD opt(model->parameters(), td::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+
+    auto ref = subgroup_bn_net();
+    td::optim::SGD ref_opt(ref->parameters(), td::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    auto ref_bn = std::dynamic_pointer_cast<td::nn::BatchNorm>((*ref)[1]);
+    auto bn = std::dynamic_pointer_cast<td::nn::BatchNorm>((*model)[1]);
+
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      subgroup_bn_loss(ddp(subgroup_bn_input(step, rank))).backward();
+
+      // The reference: pair 1 first with its running-stat update undone, then pair 0's, which
+      // stays (the buffers every rank holds after the next forward's broadcast).
+      ref_opt.zero_grad();
+      Tensor loss = td::zeros({});
+      for (int p : {1, 0}) {
+        Tensor mean0, var0, count0;
+        {
+          td::NoGradGuard no_grad;
+          mean0 = ref_bn->running_mean.clone();
+          var0 = ref_bn->running_var.clone();
+          count0 = ref_bn->num_batches_tracked.clone();
+        }
+        Tensor out = ref->forward(td::ops::cat({subgroup_bn_input(step, 2 * p), subgroup_bn_input(step, 2 * p + 1)}, 0));
+        for (int k = 0; k < 2; ++k) loss = td::ops::add(loss, subgroup_bn_loss(out.narrow(0, 3 * k, 3)));
+        if (p == 1) {
+          td::NoGradGuard no_grad;
+          ref_bn->running_mean.copy_(mean0);
+          ref_bn->running_var.copy_(var0);
+          ref_bn->num_batches_tracked.copy_(count0);
+        }
+      }
+      td::ops::mul(loss, 0.25).backward();
+      const auto got = model->named_parameters(), want = ref->named_parameters();
+      for (size_t i = 0; i < got.size(); ++i)
+        expect_close(got[i].second.grad(), want[i].second.grad(), fmt::format("step {}: gradient of {}", step, got[i].first));
+      opt.step();
+      ref_opt.step();
+      // Before the next forward's broadcast each pair holds its own statistics.
+      if (rank < 2) {
+        expect_close(bn->running_mean, ref_bn->running_mean, fmt::format("step {}: pair 0's running_mean", step));
+        expect_close(bn->running_var, ref_bn->running_var, fmt::format("step {}: pair 0's running_var", step));
+      } else if (td::testing::all_close(bn->running_mean, ref_bn->running_mean, kRtol, kAtol)) {
+        fail(fmt::format("step {}: pair 1's running_mean equals pair 0's (were the statistics synced over the world?)", step));
+      }
+    }
+    for (const auto& [name, p] : model->named_parameters())
+      expect_close(p, td::testing::find_tensor(ref->state_dict(), name), "after 3 steps: " + name);
+    ddp.eval();
+    {
+      td::NoGradGuard no_grad;
+      ddp(td::ones({2, 4}));  // the first forward after a synchronized one: rank 0's buffers everywhere
+    }
+    expect_close(bn->running_mean, ref_bn->running_mean, "after the eval forward: running_mean");
+    expect_close(bn->running_var, ref_bn->running_var, "after the eval forward: running_var");
+  });
+}
