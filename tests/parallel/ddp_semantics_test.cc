@@ -598,6 +598,27 @@ TEST(DDPSemantics, IgnoringANameTheModuleDoesNotHaveIsAnErrorNamingIt) {
   });
 }
 
+// PyTorch: "DistributedDataParallel is not needed when a module doesn't have any parameter that
+// requires a gradient", whether the parameters are frozen or all ignored.
+TEST(DDPSemantics, AModuleWithNothingToTrainIsAnError) {
+  on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
+    auto frozen = ignore_probe(0);
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+    expect_value_error([&] { DistributedDataParallel(frozen, group); },
+                       {"DistributedDataParallel is not needed", "its 6 parameters are frozen"}, "a frozen module");
+    expect_value_error(
+        [&] {
+          DistributedDataParallel(ignore_probe(0), group,
+                                  DDPOptions{.params_and_buffers_to_ignore = {"0.weight", "0.bias", "1.weight", "1.bias",
+                                                                              "2.weight", "2.bias"}});
+        },
+        {"no parameter that requires a gradient"}, "every parameter ignored");
+    auto partly = ignore_probe(0);
+    partly->parameters()[0].requires_grad_(false);
+    DistributedDataParallel fine(partly, group);  // one trainable parameter is enough
+  });
+}
+
 TEST(DDPSemantics, WithoutInitSyncReplicasAreTakenAsTheyAreAndTheReplicaCheckCatchesADifference) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
     const int rank = group->rank();
