@@ -764,3 +764,31 @@ TEST(DDPSemantics, SyncBatchNormOverSubgroupsUnderDDPOverTheWorld) {
     expect_close(bn->running_var, ref_bn->running_var, "after the eval forward: running_var");
   });
 }
+
+// Options that decide which collectives a rank issues must agree: a mismatch is an error at
+// construction naming the option, the values and the ranks (otherwise the first backward fails
+// with a bare collective mismatch, e.g. all_reduce of 18 elements against 6). The ignore list is
+// compared as a set of names.
+TEST(DDPSemantics, OptionsThatDifferAcrossRanksAreAnErrorNamingTheOption) {
+  on_ranks(3, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    DDPOptions o;
+    if (rank == 2) o.bucket_cap_mb = 1e-5;
+    expect_value_error([&] { DistributedDataParallel(ignore_probe(0), group, o); },
+                       {"the options differ across ranks (ranks 2 differ from rank 0)", "rank 0 has bucket_cap_mb=25",
+                        "rank 2 has bucket_cap_mb=1e-05", "Pass the same DDPOptions on every rank"},
+                       "bucket_cap_mb on rank 2");
+    o = DDPOptions{.params_and_buffers_to_ignore = {"0.weight"}};
+    if (rank > 0) o.params_and_buffers_to_ignore = {"0.bias"};
+    expect_value_error([&] { DistributedDataParallel(ignore_probe(0), group, o); },
+                       {"(ranks 1, 2 differ from rank 0)", "rank 0 has params_and_buffers_to_ignore=[0.weight]",
+                        "rank 1 has params_and_buffers_to_ignore=[0.bias]"},
+                       "the ignore lists");
+    // Same set in another order; rank-local options (gradient_as_bucket_view) may differ.
+    o = DDPOptions{.gradient_as_bucket_view = rank == 1,
+                   .params_and_buffers_to_ignore = rank == 0 ? std::vector<std::string>{"0.bias", "1.running_mean"}
+                                                             : std::vector<std::string>{"1.running_mean", "0.bias"}};
+    DistributedDataParallel ddp(ignore_probe(0), group, o);
+    td::ops::sum(ddp(ignore_input(rank))).backward();
+  });
+}

@@ -35,6 +35,22 @@ std::vector<std::string> describe(const nn::NamedTensors& params, const nn::Name
   return lines;
 }
 
+// One line per option whose disagreement across ranks breaks the collectives' lockstep or the
+// replicas' equality: "name=value". (gradient_as_bucket_view and init_sync are rank-local.)
+std::vector<std::string> describe(const DDPOptions& o) {
+  std::vector<std::string> ignored = o.params_and_buffers_to_ignore;
+  std::sort(ignored.begin(), ignored.end());
+  return {fmt::format("bucket_cap_mb={}", o.bucket_cap_mb),
+          fmt::format("first_bucket_mb={}", o.first_bucket_mb),
+          fmt::format("broadcast_buffers={}", o.broadcast_buffers),
+          fmt::format("find_unused_parameters={}", o.find_unused_parameters),
+          fmt::format("static_graph={}", o.static_graph),
+          fmt::format("delay_allreduce={}", o.delay_allreduce),
+          fmt::format("check_replicas_every={}", o.check_replicas_every),
+          fmt::format("deterministic={}", o.deterministic),
+          fmt::format("params_and_buffers_to_ignore=[{}]", fmt::join(ignored, ", "))};
+}
+
 std::string join_lines(const std::vector<std::string>& lines) {
   std::string s;
   for (const auto& l : lines) s += l + "\n";
@@ -157,32 +173,45 @@ std::vector<Tensor> DistributedDataParallel::synced_states() const {
 }
 
 void DistributedDataParallel::check_same_model() {
-  const std::vector<std::string> lines = describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers()));
-  const std::string text = join_lines(lines);
-  const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(text.data(), text.size()))});
-  int differing = -1;
-  for (int r = 1; r < group_->size(); ++r) {
-    if (hashes[r][0] != hashes[0][0]) {
-      differing = r;
-      break;
+  const std::string options_text = join_lines(describe(options_));
+  const std::string model_text =
+      join_lines(describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers())));
+  // One gather settles both; the (rare) disagreement costs a few broadcasts more to explain.
+  const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(options_text.data(), options_text.size())),
+                                               static_cast<int64_t>(fnv1a(model_text.data(), model_text.size()))});
+  // The ranks whose k-th hash differs from rank 0's, the first of them, and the first line where
+  // its text and rank 0's part (every rank computes the same, so all throw the same error).
+  struct Difference {
+    std::vector<int> ranks;
+    size_t line = 0;
+    std::string at0, at_r;
+  };
+  auto difference = [&](size_t k, const std::string& text, const char* what) {
+    Difference d;
+    for (int r = 1; r < group_->size(); ++r) {
+      if (hashes[r][k] != hashes[0][k]) d.ranks.push_back(r);
     }
+    if (d.ranks.empty()) return d;
+    const int first = d.ranks.front();
+    const auto lines0 = split_lines(broadcast_string(*group_, text, 0));
+    const auto lines_r = split_lines(broadcast_string(*group_, text, first));
+    while (d.line < lines0.size() && d.line < lines_r.size() && lines0[d.line] == lines_r[d.line]) ++d.line;
+    d.at0 = d.line < lines0.size() ? lines0[d.line] : fmt::format("(nothing: rank 0 has fewer {})", what);
+    d.at_r = d.line < lines_r.size() ? lines_r[d.line] : fmt::format("(nothing: rank {} has fewer {})", first, what);
+    return d;
+  };
+  if (const Difference d = difference(0, options_text, "options"); !d.ranks.empty()) {
+    throw ValueError(fmt::format(
+        "DistributedDataParallel: the options differ across ranks (ranks {} differ from rank 0): rank 0 has {}, rank {} "
+        "has {}. Pass the same DDPOptions on every rank (they decide which collectives each rank issues)",
+        fmt::join(d.ranks, ", "), d.at0, d.ranks.front(), d.at_r));
   }
-  if (differing < 0) return;
-  // Everyone learns rank 0's and the first differing rank's description and names the same line.
-  const auto lines0 = split_lines(broadcast_string(*group_, text, 0));
-  const auto lines_r = split_lines(broadcast_string(*group_, text, differing));
-  std::vector<int> ranks;
-  for (int r = 1; r < group_->size(); ++r) {
-    if (hashes[r][0] != hashes[0][0]) ranks.push_back(r);
+  if (const Difference d = difference(1, model_text, "tensors"); !d.ranks.empty()) {
+    throw ValueError(fmt::format(
+        "DistributedDataParallel: the model differs across ranks (ranks {} differ from rank 0). First difference, "
+        "tensor #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
+        fmt::join(d.ranks, ", "), d.line, d.at0, d.ranks.front(), d.at_r));
   }
-  size_t i = 0;
-  while (i < lines0.size() && i < lines_r.size() && lines0[i] == lines_r[i]) ++i;
-  const std::string at0 = i < lines0.size() ? lines0[i] : "(nothing: rank 0 has fewer tensors)";
-  const std::string at_r = i < lines_r.size() ? lines_r[i] : fmt::format("(nothing: rank {} has fewer tensors)", differing);
-  throw ValueError(fmt::format(
-      "DistributedDataParallel: the model differs across ranks (ranks {} differ from rank 0). First difference, "
-      "tensor #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
-      fmt::join(ranks, ", "), i, at0, differing, at_r));
 }
 
 void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tensor& flat)>& collective,

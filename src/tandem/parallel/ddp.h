@@ -56,8 +56,8 @@ struct DDPOptions {
   // rank's own gradient), not broadcast at forwards or at the end of join, and left out of
   // check_replicas (with their optimizer state). A name the module does not have is a ValueError.
   std::vector<std::string> params_and_buffers_to_ignore;
-  // torch's init_sync: false skips the construction-time comparison of the replicas and the
-  // broadcast of rank 0's parameters and buffers; the caller guarantees equal replicas (e.g. every
+  // torch's init_sync: false skips the construction-time comparison of the replicas (and of the
+  // options) and the broadcast of rank 0's parameters and buffers; the caller guarantees equal replicas (e.g. every
   // rank loaded the same checkpoint). check_replicas_every catches a broken promise.
   bool init_sync = true;
 };
@@ -77,7 +77,11 @@ struct JoinOptions {
 class DistributedDataParallel : public nn::Module {
  public:
   // Broadcasts rank 0's parameters and buffers, after checking that every rank has the same
-  // parameter names, shapes and dtypes (an error names the first difference and the ranks).
+  // parameter names, shapes and dtypes and the same options, those that decide which collectives
+  // a rank issues (bucket sizes, broadcast_buffers, find_unused_parameters, static_graph,
+  // delay_allreduce, check_replicas_every, deterministic, params_and_buffers_to_ignore); an error
+  // names the first difference and the ranks, where a mismatch would otherwise surface later as a
+  // collective mismatch that does not say which option caused it.
   DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<dist::ProcessGroup> group,
                           DDPOptions options = {});
   ~DistributedDataParallel() override;
