@@ -124,6 +124,15 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
       ignored_.insert(name);
     }
   }
+  // PyTorch refuses this too: there would be nothing to average, only buffers to broadcast.
+  const auto params = module_->named_parameters();
+  TANDEM_CHECK(std::any_of(params.begin(), params.end(),
+                           [&](const auto& np) { return np.second.requires_grad() && ignored_.count(np.first) == 0; }),
+               ValueError,
+               "DistributedDataParallel is not needed when the module has no parameter that requires a gradient "
+               "(its {} parameters are frozen or in params_and_buffers_to_ignore); train it without the wrapper, or "
+               "set requires_grad on the parameters to train",
+               params.size());
   if (options_.init_sync) {
     check_same_model();
     NoGradGuard no_grad;
@@ -135,12 +144,6 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
     dtypes_.emplace_back(name, t.dtype());
     if (t.requires_grad() && ignored_.count(name) == 0) trainable.emplace_back(name, t);
   }
-  // PyTorch refuses this too: there would be nothing to average, only buffers to broadcast.
-  TANDEM_CHECK(!trainable.empty(), ValueError,
-               "DistributedDataParallel is not needed when the module has no parameter that requires a gradient "
-               "(its {} parameters are frozen or in params_and_buffers_to_ignore); train it without the wrapper, or "
-               "set requires_grad on the parameters to train",
-               dtypes_.size());
   ReducerOptions ro;
   ro.bucket_cap_mb = options_.bucket_cap_mb;
   ro.first_bucket_mb = options_.first_bucket_mb;

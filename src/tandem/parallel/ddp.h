@@ -57,8 +57,9 @@ struct DDPOptions {
   // check_replicas (with their optimizer state). A name the module does not have is a ValueError.
   std::vector<std::string> params_and_buffers_to_ignore;
   // torch's init_sync: false skips the construction-time comparison of the replicas (and of the
-  // options) and the broadcast of rank 0's parameters and buffers; the caller guarantees equal replicas (e.g. every
-  // rank loaded the same checkpoint). check_replicas_every catches a broken promise.
+  // options) and the broadcast of rank 0's parameters and buffers; the caller guarantees equal
+  // replicas (e.g. every rank loaded the same checkpoint). check_replicas_every catches a broken
+  // promise.
   bool init_sync = true;
 };
 
