@@ -16,6 +16,7 @@
 #include "tandem/amp/initialize.h"
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/data/sampler.h"
+#include "tandem/dist/backends.h"
 #include "tandem/dist/process_group.h"
 #include "tandem/dist/spawn.h"
 #include "tandem/nn/layers.h"
@@ -42,8 +43,8 @@ using td::parallel::DistributedDataParallel;
 
 namespace {
 
-void on_ranks(int n, const td::testing::RankFn& fn) {
-  td::testing::on_ranks(n, fn, std::chrono::seconds(240), std::chrono::seconds(60));
+void on_ranks(int n, const td::testing::RankFn& fn, const std::string& backend = "shm") {
+  td::testing::on_ranks(n, fn, std::chrono::seconds(240), std::chrono::seconds(60), backend);
 }
 using td::testing::fail;
 using td::testing::rel_diff;
@@ -158,7 +159,7 @@ void train(td::nn::Module& forward_module, td::nn::Module& params_module, const 
 
 // DDP on `world` ranks vs one process on the global batch; every rank checks its own replica.
 void check_equivalence(const Workload& w, int world, int64_t per_rank, int steps, double rel, bool sync_bn,
-                       double per_tensor = 0) {
+                       double per_tensor = 0, const std::string& backend = "shm") {
   on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) {
     td::manual_seed(0);
     auto model = w.make_model();
@@ -170,7 +171,7 @@ void check_equivalence(const Workload& w, int world, int64_t per_rank, int steps
     auto reference = w.make_model();
     train(*reference, *reference, w, steps, 0, 1, per_rank * world);
     expect_same_state(*model, *reference, rel, fmt::format("rank {} of {}", group->rank(), world), per_tensor);
-  });
+  }, backend);
 }
 
 }  // namespace
@@ -208,6 +209,14 @@ TEST(DDP, CnnWithSyncBatchNormEqualsBatchNormOnGlobalBatch) {
     SCOPED_TRACE(world);
     check_equivalence(w2_cnn(), world, 4, 10, 5e-5, true);
   }
+}
+
+// The same equivalences over gloo (TCP; buckets in ordinary memory, not shm's zero-copy
+// buffers, and SyncBatchNorm's collectives over another transport), 2 ranks.
+TEST(DDP, EquivalencesHoldOverGlooToo) {
+  if (!td::dist::backend_available("gloo")) GTEST_SKIP() << "built without gloo (libgloo-dev)";
+  check_equivalence(w1_mlp(), 2, 8, 10, 1e-5, false, 0, "gloo");
+  check_equivalence(w2_cnn(), 2, 4, 10, 5e-5, true, 0, "gloo");
 }
 
 TEST(DDP, NoSyncMicroBatchesThenSyncedStepEqualsOneStepOnConcatenatedBatch) {
