@@ -14,13 +14,19 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store>, int, int, 
 
 #else
 
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -30,6 +36,7 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store>, int, int, 
 #include <gloo/transport/tcp/device.h>
 
 #include "tandem/core/convert.h"
+#include "tandem/dist/shm_segment.h"
 
 namespace tandem::dist {
 namespace {
@@ -53,6 +60,18 @@ class GlooStore final : public gloo::rendezvous::Store {
  private:
   std::shared_ptr<dist::Store> store_;
 };
+
+// Where a pid means something: the machine (hostname and boot id) and the pid namespace. Two
+// ranks with the same identity can check each other's pid.
+std::string host_identity() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  return fmt::format("{} {} {}", host, boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
+}
 
 template <class T>
 void reduce_fn(ReduceOp op, void* c_, const void* a_, const void* b_, size_t n) {
@@ -80,6 +99,31 @@ class GlooGroup final : public ProcessGroup {
     gloo::transport::tcp::attr attr;
     const char* host = std::getenv("TANDEM_GLOO_HOST");  // the address peers reach us at
     attr.hostname = host != nullptr ? host : "127.0.0.1";
+    // gloo writes to its sockets without MSG_NOSIGNAL, so a write to a dead peer raises SIGPIPE,
+    // whose default action kills the whole process before the error could be reported. SIGPIPE
+    // from a write goes to the writing thread: every thread that writes to gloo's sockets (this
+    // one during the rendezvous, gloo's device loop and our progress thread, which inherit the
+    // mask at their creation below) blocks it, so the write fails with EPIPE and gloo throws.
+    // The process's other threads and its signal dispositions are left alone.
+    sigset_t sigpipe, previous;
+    sigemptyset(&sigpipe);
+    sigaddset(&sigpipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &sigpipe, &previous);
+    struct RestoreMask {
+      sigset_t mask;
+      ~RestoreMask() {
+        // A rendezvous write to a peer that died left a SIGPIPE pending here: take it before
+        // unblocking, or it would kill the process now (the constructor throws instead).
+        sigset_t pending, only;
+        sigemptyset(&only);
+        sigaddset(&only, SIGPIPE);
+        if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1 && sigismember(&mask, SIGPIPE) == 0) {
+          const timespec now{0, 0};
+          sigtimedwait(&only, nullptr, &now);
+        }
+        pthread_sigmask(SIG_SETMASK, &mask, nullptr);
+      }
+    } restore{previous};
     try {
       auto device = gloo::transport::tcp::CreateDevice(attr);
       auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
@@ -87,6 +131,18 @@ class GlooGroup final : public ProcessGroup {
       GlooStore adapter(std::make_shared<PrefixStore>("gloo", store));
       context->connectFullMesh(adapter, device);
       context_ = context;
+      // Every rank's host and pid, so that a failure can name a peer that died on this host
+      // (gloo's own error only gives the socket's address).
+      PrefixStore peers("gloo-peers", store);
+      const std::string mine = fmt::format("{}\n{}", getpid(), identity_);
+      peers.set(std::to_string(rank), Bytes(mine.begin(), mine.end()));
+      for (int r = 0; r < size; ++r) {
+        const Bytes b = peers.get(std::to_string(r));
+        const std::string v(b.begin(), b.end());
+        const size_t nl = v.find('\n');
+        peer_pids_.push_back(nl == std::string::npos ? 0 : static_cast<pid_t>(std::atoll(v.substr(0, nl).c_str())));
+        peer_hosts_.push_back(nl == std::string::npos ? std::string() : v.substr(nl + 1));
+      }
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -243,7 +299,8 @@ class GlooGroup final : public ProcessGroup {
         task.work->finish();
       } catch (const std::exception& e) {
         // gloo reports timeouts and dead peers as IoException; the pairs are unusable afterwards.
-        const std::string reason = fmt::format("{} failed on rank {} of {}: {}", task.work->description(), rank(), size(), e.what());
+        const std::string reason =
+            fmt::format("{} failed on rank {} of {}: {}{}", task.work->description(), rank(), size(), e.what(), dead_peers());
         const bool timed_out = std::string(e.what()).find("imeout") != std::string::npos;
         task.work->finish(timed_out ? std::make_exception_ptr(Timeout(reason)) : std::make_exception_ptr(CommError(reason)));
         std::deque<Task> dropped;
@@ -258,6 +315,28 @@ class GlooGroup final : public ProcessGroup {
     }
   }
 
+  // "; rank 2 (pid 1234) died (no such process left on this host)" for the peers on this host
+  // whose process is gone (or a zombie), else empty. A peer killed a moment ago may still be exiting
+  // when its closed sockets fail our collective: look again for up to 200 ms before saying none.
+  std::string dead_peers() const {
+    for (int attempt = 0; attempt < 40; ++attempt) {
+      std::vector<std::string> gone;
+      for (int r = 0; r < size(); ++r) {
+        if (r == rank() || peer_hosts_.at(static_cast<size_t>(r)) != identity_) continue;
+        const pid_t pid = peer_pids_.at(static_cast<size_t>(r));
+        if (!shm::process_alive(pid)) gone.push_back(fmt::format("rank {} (pid {})", r, pid));
+      }
+      if (!gone.empty()) {
+        return fmt::format("; {} died (no such process left on this host)", fmt::join(gone, ", "));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return "";
+  }
+
+  const std::string identity_ = host_identity();
+  std::vector<pid_t> peer_pids_;          // by rank
+  std::vector<std::string> peer_hosts_;   // by rank: host_identity() of each rank
   std::shared_ptr<gloo::Context> context_;
   std::vector<float> wide_;  // f32 staging of 16-bit all_reduce
   mutable std::mutex mu_;
