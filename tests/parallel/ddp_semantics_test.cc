@@ -792,3 +792,30 @@ TEST(DDPSemantics, OptionsThatDifferAcrossRanksAreAnErrorNamingTheOption) {
     td::ops::sum(ddp(ignore_input(rank))).backward();
   });
 }
+
+// Evaluating through the wrapper on rank 0 only (a common mistake; PyTorch hangs in the buffer
+// broadcast): rank 0's forward after a synchronized backward broadcasts the buffers, rank 1 has
+// finished and left, and the error says what to do instead.
+TEST(DDPSemantics, AForwardOnSomeRanksOnlyIsAnErrorThatSaysToCallTheWrappedModule) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = ignore_probe(0);
+    DistributedDataParallel ddp(model, group);
+    td::ops::sum(ddp(ignore_input(rank))).backward();
+    if (rank != 0) return;  // done training: leaves the group
+    ddp.eval();
+    td::NoGradGuard no_grad;
+    try {
+      ddp(ignore_input(0));
+    } catch (const td::dist::CommError& e) {
+      const std::string msg = e.what();
+      for (const char* needle : {"broadcasting rank 0's buffers at this forward failed",
+                                 "call the wrapped module there (ddp.module()->forward)", "broadcast_buffers=false"}) {
+        if (msg.find(needle) == std::string::npos) fail(std::string("the message lacks \"") + needle + "\": " + msg);
+      }
+      model->forward(ignore_input(0));  // what it says to do works alone
+      return;
+    }
+    fail("an eval forward through DDP on rank 0 alone went through");
+  });
+}

@@ -276,7 +276,20 @@ void DistributedDataParallel::before_forward() {
   // Under join they come from the highest rank still training.
   if (options_.broadcast_buffers && require_forward_param_sync_ && group_->size() > 1) {
     NoGradGuard no_grad;
-    broadcast_tensors(synced_buffer_tensors(), buffer_root);
+    try {
+      broadcast_tensors(synced_buffer_tensors(), buffer_root);
+    } catch (const dist::CommError& e) {
+      // A forward some ranks ran and others did not: most often an evaluation on rank 0 only
+      // through the wrapper (PyTorch hangs there).
+      const std::string msg = fmt::format(
+          "{}\nDistributedDataParallel: broadcasting rank {}'s buffers at this forward failed. Every rank must run "
+          "the DDP module's forward after a synchronized backward (broadcast_buffers): to evaluate on some ranks only, "
+          "call the wrapped module there (ddp.module()->forward), or build DDP with broadcast_buffers=false; if some "
+          "rank ran out of batches, run the training loop inside DistributedDataParallel::join",
+          e.what(), buffer_root);
+      if (dynamic_cast<const dist::Timeout*>(&e) != nullptr) throw dist::Timeout(msg);
+      throw dist::CommError(msg);
+    }
   }
   if (!is_training()) return;
   ++forwards_;
