@@ -48,15 +48,9 @@ namespace {
 void on_ranks(int n, const td::testing::RankFn& fn, const std::string& backend = "shm") {
   td::testing::on_ranks(n, fn, std::chrono::seconds(240), std::chrono::seconds(60), backend);
 }
-using td::testing::fail;
-using td::testing::rel_diff;
-using td::testing::expect_same_state;
-using td::testing::rank_rows;
-using td::testing::train;
-using td::testing::Workload;
-using td::testing::w1_mlp;
-using td::testing::w2_cnn;
-using td::testing::w3_gpt;
+// fail, rel_diff (ranks.h); Workload, w1_mlp/w2_cnn/w3_gpt, train, rank_rows, expect_same_state
+// (equivalence.h).
+using namespace td::testing;
 
 // DDP on `world` ranks vs one process on the global batch; every rank checks its own replica.
 void check_equivalence(const Workload& w, int world, int64_t per_rank, int steps, double rel, bool sync_bn,
