@@ -509,6 +509,22 @@ TEST(DDP, ModelsThatDifferAcrossRanksAreAnErrorNamingTheFirstDifference) {
   });
 }
 
+// convert_sync_batchnorm on some ranks only (behind a rank condition): the tensors are the same,
+// but one rank's BatchNorm forward would be a collective the others never issue. Caught at
+// construction, naming the layer.
+TEST(DDP, SyncBatchNormOnSomeRanksOnlyIsAnErrorNamingTheLayer) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    td::manual_seed(0);
+    auto model = td::nn::models::cnn();
+    if (group->rank() == 1) td::parallel::convert_sync_batchnorm(*model, group);
+    expect_error([&] { DistributedDataParallel ddp(model, group); },
+                 {"the model differs across ranks (ranks 1 differ from rank 0)",
+                  "rank 0 has batch norm 'features.1' with this rank's statistics (BatchNorm)",
+                  "rank 1 has batch norm 'features.1' with statistics over a process group (SyncBatchNorm)"},
+                 "SyncBatchNorm on rank 1 only");
+  });
+}
+
 TEST(DDP, CastAfterWrappingIsDetectedAtTheNextForward) {
   on_ranks(1, [&](std::shared_ptr<ProcessGroup> group) {
     auto model = std::make_shared<td::nn::Linear>(4, 4);

@@ -177,8 +177,19 @@ std::vector<Tensor> DistributedDataParallel::synced_states() const {
 
 void DistributedDataParallel::check_same_model() {
   const std::string options_text = join_lines(describe(options_));
-  const std::string model_text =
-      join_lines(describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers())));
+  std::vector<std::string> model_lines =
+      describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers()));
+  // Whether each BatchNorm synchronizes its statistics: a model converted on some ranks only
+  // (convert_sync_batchnorm behind a rank condition) would otherwise pass, then fail at its first
+  // forward as a collective the other ranks never issue.
+  for (const auto& [name, m] : module_->named_modules()) {
+    if (const auto* bn = dynamic_cast<const nn::BatchNorm*>(m.get())) {
+      model_lines.push_back(fmt::format("batch norm '{}' with {}", name.empty() ? "(the wrapped module)" : name,
+                                        bn->group_stats ? "statistics over a process group (SyncBatchNorm)"
+                                                        : "this rank's statistics (BatchNorm)"));
+    }
+  }
+  const std::string model_text = join_lines(model_lines);
   // One gather settles both; the (rare) disagreement costs a few broadcasts more to explain.
   const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(options_text.data(), options_text.size())),
                                                static_cast<int64_t>(fnv1a(model_text.data(), model_text.size()))});
@@ -212,7 +223,7 @@ void DistributedDataParallel::check_same_model() {
   if (const Difference d = difference(1, model_text, "tensors"); !d.ranks.empty()) {
     throw ValueError(fmt::format(
         "DistributedDataParallel: the model differs across ranks (ranks {} differ from rank 0). First difference, "
-        "tensor #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
+        "item #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
         fmt::join(d.ranks, ", "), d.line, d.at0, d.ranks.front(), d.at_r));
   }
 }
