@@ -78,11 +78,12 @@ struct JoinOptions {
 class DistributedDataParallel : public nn::Module {
  public:
   // Broadcasts rank 0's parameters and buffers, after checking that every rank has the same
-  // parameter names, shapes and dtypes and the same options, those that decide which collectives
-  // a rank issues (bucket sizes, broadcast_buffers, find_unused_parameters, static_graph,
-  // delay_allreduce, check_replicas_every, deterministic, params_and_buffers_to_ignore); an error
-  // names the first difference and the ranks, where a mismatch would otherwise surface later as a
-  // collective mismatch that does not say which option caused it.
+  // parameter and buffer names, shapes and dtypes, the same BatchNorm layers synchronized
+  // (SyncBatchNorm), and the same options among those that decide which collectives a rank
+  // issues (bucket sizes, broadcast_buffers, find_unused_parameters, static_graph,
+  // delay_allreduce, check_replicas_every, deterministic, params_and_buffers_to_ignore). An error
+  // names the first difference and the ranks, where a mismatch would otherwise surface later as
+  // a collective mismatch that does not say what caused it.
   DistributedDataParallel(std::shared_ptr<nn::Module> module, std::shared_ptr<dist::ProcessGroup> group,
                           DDPOptions options = {});
   ~DistributedDataParallel() override;
