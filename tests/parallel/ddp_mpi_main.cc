@@ -1,4 +1,4 @@
-// DDP over the mpi backend, run under mpirun (one process per rank, ranks from OpenMPI's / PMI's /
+// DDP over the mpi backend, run under mpirun (one process per rank, ranks from OpenMPI's or
 // Slurm's variables): the acceptance's equivalences that tests/parallel/ddp_test.cc proves over
 // shm (and gloo), here through MPI — what a user who hand-rolled MPI all-reduce around LibTorch
 // would switch to. W1 (SGD momentum) within rel 1e-5 and W2 with SyncBatchNorm (AdamW) within
@@ -7,26 +7,18 @@
 // 1 (its peers' next collective then fails within the 60 s timeout instead of hanging).
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 
 #include "tandem/dist/backends.h"
 #include "parallel/equivalence.h"
 
-namespace {
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : fallback;
-}
-
-}  // namespace
-
 int main() {
   namespace td = tandem;
-  const int rank = env_int("OMPI_COMM_WORLD_RANK", env_int("PMI_RANK", env_int("SLURM_PROCID", 0)));
-  const int size = env_int("OMPI_COMM_WORLD_SIZE", env_int("PMI_SIZE", env_int("SLURM_NTASKS", 1)));
+  int rank = 0, size = 1;
   try {
+    const td::dist::LaunchEnv env = td::dist::read_launch_env();  // OpenMPI's (or Slurm's) variables
+    if (env.rank >= 0) rank = env.rank;
+    if (env.world_size > 0) size = env.world_size;
     td::dist::ProcessGroupOptions pgo;
     pgo.timeout = std::chrono::seconds(60);
     auto group = td::dist::make_mpi_group(nullptr, rank, size, pgo);

@@ -124,26 +124,25 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
       ignored_.insert(name);
     }
   }
+  // The parameters the reducer averages (it sees neither frozen nor ignored ones), and every
+  // parameter's dtype, to detect a later cast.
+  std::vector<std::pair<std::string, Tensor>> trainable;
+  for (auto& [name, t] : module_->named_parameters()) {
+    dtypes_.emplace_back(name, t.dtype());
+    if (t.requires_grad() && ignored_.count(name) == 0) trainable.emplace_back(name, t);
+  }
   // PyTorch refuses this too: there would be nothing to average, only buffers to broadcast.
-  const auto params = module_->named_parameters();
-  TANDEM_CHECK(std::any_of(params.begin(), params.end(),
-                           [&](const auto& np) { return np.second.requires_grad() && ignored_.count(np.first) == 0; }),
-               ValueError,
+  TANDEM_CHECK(!trainable.empty(), ValueError,
                "DistributedDataParallel is not needed when the module has no parameter that requires a gradient "
                "(its {} parameters are frozen or in params_and_buffers_to_ignore); train it without the wrapper, or "
                "set requires_grad on the parameters to train",
-               params.size());
+               dtypes_.size());
   if (options_.init_sync) {
     check_same_model();
     NoGradGuard no_grad;
     broadcast_tensors(synced_states());  // rank 0's values everywhere
   }
 
-  std::vector<std::pair<std::string, Tensor>> trainable;
-  for (auto& [name, t] : module_->named_parameters()) {
-    dtypes_.emplace_back(name, t.dtype());
-    if (t.requires_grad() && ignored_.count(name) == 0) trainable.emplace_back(name, t);
-  }
   ReducerOptions ro;
   ro.bucket_cap_mb = options_.bucket_cap_mb;
   ro.first_bucket_mb = options_.first_bucket_mb;
@@ -220,7 +219,7 @@ void DistributedDataParallel::check_same_model() {
         "has {}. Pass the same DDPOptions on every rank (they decide which collectives each rank issues)",
         fmt::join(d.ranks, ", "), d.at0, d.ranks.front(), d.at_r));
   }
-  if (const Difference d = difference(1, model_text, "tensors"); !d.ranks.empty()) {
+  if (const Difference d = difference(1, model_text, "items"); !d.ranks.empty()) {
     throw ValueError(fmt::format(
         "DistributedDataParallel: the model differs across ranks (ranks {} differ from rank 0). First difference, "
         "item #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
@@ -292,14 +291,14 @@ void DistributedDataParallel::before_forward() {
     } catch (const dist::CommError& e) {
       // A forward some ranks ran and others did not: most often an evaluation on rank 0 only
       // through the wrapper (PyTorch hangs there).
-      const std::string msg = fmt::format(
-          "{}\nDistributedDataParallel: broadcasting rank {}'s buffers at this forward failed. Every rank must run "
-          "the DDP module's forward after a synchronized backward (broadcast_buffers): to evaluate on some ranks only, "
-          "call the wrapped module there (ddp.module()->forward), or build DDP with broadcast_buffers=false; if some "
-          "rank ran out of batches, run the training loop inside DistributedDataParallel::join",
-          e.what(), buffer_root);
-      if (dynamic_cast<const dist::Timeout*>(&e) != nullptr) throw dist::Timeout(msg);
-      throw dist::CommError(msg);
+      dist::rethrow_with_hint(
+          e, fmt::format(
+                 "DistributedDataParallel: broadcasting rank {}'s buffers at this forward failed. Every rank must run "
+                 "the DDP module's forward after a synchronized backward (broadcast_buffers): to evaluate on some "
+                 "ranks only, call the wrapped module there (ddp.module()->forward), or build DDP with "
+                 "broadcast_buffers=false; if some rank ran out of batches, run the training loop inside "
+                 "DistributedDataParallel::join",
+                 buffer_root));
     }
   }
   if (!is_training()) return;

@@ -457,13 +457,10 @@ void Reducer::finalize() {
     drain();
     reset_iteration();
     // A peer that is gone or issues other collectives is often one that ran out of batches.
-    const std::string msg = fmt::format(
-        "{}\nDistributedDataParallel: the gradient all-reduce after backward failed. If some rank ran out of "
-        "batches before the others (uneven inputs), run each rank's training loop inside "
-        "DistributedDataParallel::join",
-        e.what());
-    if (dynamic_cast<const dist::Timeout*>(&e) != nullptr) throw dist::Timeout(msg);
-    throw dist::CommError(msg);
+    dist::rethrow_with_hint(e,
+                            "DistributedDataParallel: the gradient all-reduce after backward failed. If some rank ran "
+                            "out of batches before the others (uneven inputs), run each rank's training loop inside "
+                            "DistributedDataParallel::join");
   } catch (...) {
     drain();
     reset_iteration();
