@@ -159,6 +159,71 @@ TEST(DDPSemantics, NoSyncAccumulationAveragesTheSumForEveryOptionAndUsePattern) 
 }
 
 // ---------------------------------------------------------------------------------------------
+// static_graph (PyTorch: "the set of used and unused parameters will not change during the whole
+// training loop"; then find_unused_parameters is not needed): the first synchronized iteration
+// finds the unused parameters, later ones take that set without searching the graph. A parameter
+// unused on some ranks (always the same ones) or on every rank trains as with
+// find_unused_parameters, across no_sync accumulation; a parameter that was unused at first and is
+// used later is an error that names it and says to use find_unused_parameters.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, StaticGraphTakesTheFirstIterationsUnusedParametersAndRejectsAChange) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int world = group->size(), rank = group->rank(), k = 2, steps = 3;
+    // `extra`: used by rank 0 only, or by no rank.
+    for (bool rank0_uses : {true, false}) {
+      auto uses = [&](int r) { return rank0_uses && r == 0; };
+      const std::string what = rank0_uses ? "extra used on rank 0 only" : "extra unused everywhere";
+      auto model = std::make_shared<Probe>();
+      DistributedDataParallel ddp(model, group, DDPOptions{.static_graph = true});
+      td::optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+      auto reference = std::make_shared<Probe>();
+      td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
+      for (int s = 0; s < steps; ++s) {
+        opt.zero_grad();
+        ref_opt.zero_grad();
+        for (int i = 0; i < k; ++i) {
+          Tensor x = probe_input(s, rank, i);
+          auto loss = [&] { return td::ops::mul(td::ops::sum(ddp.forward_with([&] { return model->run(x, uses(rank)); })), 1.0 / k); };
+          if (i + 1 < k) {
+            auto guard = ddp.no_sync();
+            loss().backward();
+          } else {
+            loss().backward();
+          }
+          for (int r = 0; r < world; ++r)
+            td::ops::mul(td::ops::sum(reference->run(probe_input(s, r, i), uses(r))), 1.0 / (k * world)).backward();
+        }
+        if (model->extra.grad().defined() != rank0_uses)
+          fail(fmt::format("{}: step {}: extra's gradient is {}defined", what, s, rank0_uses ? "un" : ""));
+        auto got = model->named_parameters(), want = reference->named_parameters();
+        for (size_t p = 0; p < got.size(); ++p) {
+          if (!got[p].second.requires_grad()) continue;
+          expect_close(grad_or_zeros(got[p].second), grad_or_zeros(want[p].second),
+                       fmt::format("{}: step {} rank {} grad of '{}'", what, s, rank, got[p].first));
+        }
+        opt.step();
+        ref_opt.step();
+      }
+    }
+    // The graph changes: unused everywhere in the first iteration, used by both ranks later.
+    auto model = std::make_shared<Probe>();
+    DistributedDataParallel ddp(model, group, DDPOptions{.static_graph = true});
+    td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(0, rank, 0), false); })).backward();
+    model->zero_grad();
+    try {
+      td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(1, rank, 0), true); })).backward();
+      fail("a parameter used after a first iteration without it should be an error under static_graph");
+    } catch (const td::AutogradError& e) {
+      const std::string msg = e.what();
+      for (const char* needle : {"static_graph=true", "parameter 'extra'", "find_unused_parameters=true"}) {
+        if (msg.find(needle) == std::string::npos) fail(fmt::format("the error lacks \"{}\": {}", needle, msg));
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Frozen and tied parameters: the frozen one is not in any bucket and keeps no gradient; the tied
 // one is in one bucket once, its gradient (from both uses) reduced once.
 // ---------------------------------------------------------------------------------------------

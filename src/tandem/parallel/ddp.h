@@ -36,6 +36,9 @@ struct DDPOptions {
   bool broadcast_buffers = true;         // rank 0's buffers (BatchNorm running stats) at a forward after a synced one
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
+  // The set of used parameters never changes (torch's static_graph): the first synchronized
+  // iteration finds the unused ones (as find_unused_parameters does), later iterations take that
+  // set without searching the graph; a parameter unused at first and used later is an error.
   bool static_graph = false;
   bool delay_allreduce = false;          // Apex: reduce after backward, no overlap
   // Beyond PyTorch: every N training forwards, compare a checksum of parameters (and of the

@@ -335,9 +335,31 @@ void Reducer::on_gradient_ready(int64_t param) {
     used_since_sync_[param] = 1;
     return;
   }
+  // Checked before the gradient goes into its slot: that bucket's all-reduce may be running.
+  if (ready_[param]) throw_ready_twice(param);
   if (reads_slots()) grad_into_slot(param);
   locally_used_[param] = 1;
   mark_ready(param);
+}
+
+void Reducer::throw_ready_twice(int64_t param) const {
+  const std::string& name = params_[param].name;
+  const bool static_unused =
+      options_.static_graph && static_known_ &&
+      std::find(static_unused_.begin(), static_unused_.end(), param) != static_unused_.end();
+  if (static_unused) {
+    throw AutogradError(fmt::format(
+        "DDP(static_graph=true): parameter '{}' got no gradient in the first synchronized iteration, so it counts "
+        "as unused in every iteration, but this backward used it. With static_graph the set of used parameters "
+        "must not change during training; build DDP with find_unused_parameters=true (and static_graph=false) "
+        "when it does",
+        name));
+  }
+  throw AutogradError(fmt::format(
+      "DDP: parameter '{}' got its gradient twice in one backward pass. A parameter may take part in only one "
+      "backward per forward (reentrant backward, or a parameter marked unused that was used); wrap extra backward "
+      "passes in no_sync()",
+      name));
 }
 
 void Reducer::grad_into_slot(int64_t param) {
@@ -354,11 +376,7 @@ void Reducer::grad_into_slot(int64_t param) {
 }
 
 void Reducer::mark_ready(int64_t param) {
-  TANDEM_CHECK(!ready_[param], AutogradError,
-               "DDP: parameter '{}' got its gradient twice in one backward pass. A parameter may take part in "
-               "only one backward per forward (reentrant backward, or a parameter marked unused that was used); "
-               "wrap extra backward passes in no_sync()",
-               params_[param].name);
+  if (ready_[param]) throw_ready_twice(param);
   ready_[param] = 1;
   if (!rebuilt_) ready_order_.push_back(param);
   Bucket& b = buckets_[params_[param].bucket];

@@ -142,6 +142,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void replace_bucket_memory(int64_t bi);
   void on_gradient_ready(int64_t param);
   void mark_ready(int64_t param);
+  [[noreturn]] void throw_ready_twice(int64_t param) const;  // the "gradient twice" error, saying why
   // The parameter's gradient into its bucket slot (zeros when it has none; nothing when grad()
   // already is the slot); with gradient_as_bucket_view the slot becomes grad().
   void grad_into_slot(int64_t param);
