@@ -90,11 +90,8 @@ struct DistConfig {
   double timeout_s = 300;
 };
 
-// DistributedDataParallel on more than one process (zero_optimization.stage 0): PyTorch's DDP
-// arguments by name, Accelerate's comm_hook values, and Tandem's replica check. Ignored on one
-// process.
 // DistributedDataParallel on more than one process (zero_optimization.stage 0), and on one in
-// deterministic mode.
+// deterministic mode; otherwise ignored on one process.
 struct DdpConfig {
   // PyTorch's DDP arguments by name (bucket_cap_mb, broadcast_buffers, find_unused_parameters,
   // gradient_as_bucket_view, static_graph), Apex's delay_allreduce, and Tandem's
