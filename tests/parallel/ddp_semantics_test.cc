@@ -164,7 +164,8 @@ TEST(DDPSemantics, NoSyncAccumulationAveragesTheSumForEveryOptionAndUsePattern) 
 // finds the unused parameters, later ones take that set without searching the graph. A parameter
 // unused on some ranks (always the same ones) or on every rank trains as with
 // find_unused_parameters, across no_sync accumulation; a parameter that was unused at first and is
-// used later is an error that names it and says to use find_unused_parameters.
+// used later, or the other way round, is an error that names it and says to use
+// find_unused_parameters.
 // ---------------------------------------------------------------------------------------------
 
 TEST(DDPSemantics, StaticGraphTakesTheFirstIterationsUnusedParametersAndRejectsAChange) {
@@ -206,18 +207,22 @@ TEST(DDPSemantics, StaticGraphTakesTheFirstIterationsUnusedParametersAndRejectsA
         ref_opt.step();
       }
     }
-    // The graph changes: unused everywhere in the first iteration, used by both ranks later.
-    auto model = std::make_shared<Probe>();
-    DistributedDataParallel ddp(model, group, DDPOptions{.static_graph = true});
-    td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(0, rank, 0), false); })).backward();
-    model->zero_grad();
-    try {
-      td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(1, rank, 0), true); })).backward();
-      fail("a parameter used after a first iteration without it should be an error under static_graph");
-    } catch (const td::AutogradError& e) {
-      const std::string msg = e.what();
-      for (const char* needle : {"static_graph=true", "parameter 'extra'", "find_unused_parameters=true"}) {
-        if (msg.find(needle) == std::string::npos) fail(fmt::format("the error lacks \"{}\": {}", needle, msg));
+    // The graph changes on both ranks: extra unused in the first iteration and used later, or the
+    // other way round.
+    for (bool used_first : {false, true}) {
+      auto model = std::make_shared<Probe>();
+      DistributedDataParallel ddp(model, group, DDPOptions{.static_graph = true});
+      td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(0, rank, 0), used_first); })).backward();
+      model->zero_grad();
+      const std::string what = used_first ? "extra used, then not" : "extra unused, then used";
+      try {
+        td::ops::sum(ddp.forward_with([&] { return model->run(probe_input(1, rank, 0), !used_first); })).backward();
+        fail(what + ": a change of the used parameters should be an error under static_graph");
+      } catch (const td::AutogradError& e) {
+        const std::string msg = e.what();
+        for (const char* needle : {"static_graph=true", "extra", "must not change", "find_unused_parameters=true"}) {
+          if (msg.find(needle) == std::string::npos) fail(fmt::format("{}: the error lacks \"{}\": {}", what, needle, msg));
+        }
       }
     }
   });

@@ -38,7 +38,7 @@ struct DDPOptions {
   bool gradient_as_bucket_view = false;
   // The set of used parameters never changes (torch's static_graph): the first synchronized
   // iteration finds the unused ones (as find_unused_parameters does), later iterations take that
-  // set without searching the graph; a parameter unused at first and used later is an error.
+  // set without searching the graph; a change of that set is an error naming the parameter.
   bool static_graph = false;
   bool delay_allreduce = false;          // Apex: reduce after backward, no overlap
   // Beyond PyTorch: every N training forwards, compare a checksum of parameters (and of the

@@ -450,6 +450,13 @@ void Reducer::finalize() {
   if (!missing.empty()) {
     drain();
     reset_iteration();
+    if (options_.static_graph) {
+      throw AutogradError(fmt::format(
+          "DDP(static_graph=true): {} parameter(s) used in the first synchronized iteration received no gradient "
+          "in this backward pass: {}. With static_graph the set of used parameters must not change during "
+          "training; build DDP with find_unused_parameters=true (and static_graph=false) when it does",
+          missing.size(), join_names(missing)));
+    }
     throw AutogradError(fmt::format(
         "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. Every "
         "parameter must take part in computing the loss; if some are unused on purpose (or only on some "
