@@ -171,12 +171,13 @@ TEST(DDPSemantics, NoSyncAccumulationAveragesTheSumForEveryOptionAndUsePattern) 
 TEST(DDPSemantics, StaticGraphTakesTheFirstIterationsUnusedParametersAndRejectsAChange) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
     const int world = group->size(), rank = group->rank(), k = 2, steps = 3;
-    // `extra`: used by rank 0 only, or by no rank.
-    for (bool rank0_uses : {true, false}) {
+    // `extra`: used by rank 0 only, or by no rank; gradients copied out of the buckets or bucket views.
+    for (bool rank0_uses : {true, false}) for (bool view : {false, true}) {
       auto uses = [&](int r) { return rank0_uses && r == 0; };
-      const std::string what = rank0_uses ? "extra used on rank 0 only" : "extra unused everywhere";
+      const std::string what = fmt::format("{}, gradient_as_bucket_view={}",
+                                           rank0_uses ? "extra used on rank 0 only" : "extra unused everywhere", view);
       auto model = std::make_shared<Probe>();
-      DistributedDataParallel ddp(model, group, DDPOptions{.static_graph = true});
+      DistributedDataParallel ddp(model, group, DDPOptions{.gradient_as_bucket_view = view, .static_graph = true});
       td::optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
       auto reference = std::make_shared<Probe>();
       td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
