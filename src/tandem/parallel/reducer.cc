@@ -15,6 +15,11 @@
 namespace tandem::parallel {
 namespace {
 
+// The end of both errors for a used-parameter set that changed under static_graph.
+constexpr const char* kStaticGraphChanged =
+    "With static_graph the set of used parameters must not change during training; build DDP with "
+    "find_unused_parameters=true (and static_graph=false) when it does";
+
 std::string join_names(const std::vector<std::string>& names, size_t limit = 8) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
@@ -335,7 +340,8 @@ void Reducer::on_gradient_ready(int64_t param) {
     used_since_sync_[param] = 1;
     return;
   }
-  // Checked before the gradient goes into its slot: that bucket's all-reduce may be running.
+  // Checked here, before the gradient goes into its slot (that bucket's all-reduce may be
+  // running), and only here: the unused parameters marked above are distinct and not yet ready.
   if (ready_[param]) throw_ready_twice(param);
   if (reads_slots()) grad_into_slot(param);
   locally_used_[param] = 1;
@@ -350,10 +356,8 @@ void Reducer::throw_ready_twice(int64_t param) const {
   if (static_unused) {
     throw AutogradError(fmt::format(
         "DDP(static_graph=true): parameter '{}' got no gradient in the first synchronized iteration, so it counts "
-        "as unused in every iteration, but this backward used it. With static_graph the set of used parameters "
-        "must not change during training; build DDP with find_unused_parameters=true (and static_graph=false) "
-        "when it does",
-        name));
+        "as unused in every iteration, but this backward used it. {}",
+        name, kStaticGraphChanged));
   }
   throw AutogradError(fmt::format(
       "DDP: parameter '{}' got its gradient twice in one backward pass. A parameter may take part in only one "
@@ -376,7 +380,6 @@ void Reducer::grad_into_slot(int64_t param) {
 }
 
 void Reducer::mark_ready(int64_t param) {
-  if (ready_[param]) throw_ready_twice(param);
   ready_[param] = 1;
   if (!rebuilt_) ready_order_.push_back(param);
   Bucket& b = buckets_[params_[param].bucket];
@@ -453,9 +456,8 @@ void Reducer::finalize() {
     if (options_.static_graph) {
       throw AutogradError(fmt::format(
           "DDP(static_graph=true): {} parameter(s) used in the first synchronized iteration received no gradient "
-          "in this backward pass: {}. With static_graph the set of used parameters must not change during "
-          "training; build DDP with find_unused_parameters=true (and static_graph=false) when it does",
-          missing.size(), join_names(missing)));
+          "in this backward pass: {}. {}",
+          missing.size(), join_names(missing), kStaticGraphChanged));
     }
     throw AutogradError(fmt::format(
         "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. Every "
