@@ -477,6 +477,10 @@ TEST(TCPStore, AWaitingClientFailsFastWhenTheMasterGoesAway) {
     const std::string what = e.what();
     EXPECT_NE(what.find("get(\"never\")"), std::string::npos) << what;
     EXPECT_NE(what.find("closed the connection"), std::string::npos) << what;
+    // ...and says what that usually means and how to avoid it (rank 0 hosting the store exited).
+    EXPECT_NE(what.find("store's server is gone"), std::string::npos) << what;
+    EXPECT_NE(what.find("barrier"), std::string::npos) << what;
+    EXPECT_NE(what.find("tandem run"), std::string::npos) << what;
   }
   EXPECT_LT(elapsed_ms(start), 2000);
 }
@@ -513,6 +517,7 @@ TEST(TCPStore, TimeoutNamesKeyHostPortAndTimeout) {
     EXPECT_NE(what.find("rank7/addr"), std::string::npos) << what;
     EXPECT_NE(what.find(fmt::format("127.0.0.1:{}", master.port())), std::string::npos) << what;
     EXPECT_NE(what.find("150 ms"), std::string::npos) << what;
+    EXPECT_EQ(what.find("server is gone"), std::string::npos) << "a live server is not gone: " << what;
   }
 }
 

@@ -33,6 +33,12 @@ using std::chrono::milliseconds;
 constexpr const char* kInitKey = "init/";
 // Largest reply body: one maximal value plus the status and length fields.
 constexpr uint64_t kMaxReplyBytes = kStoreMaxValueBytes + 64;
+// Appended to a request's error when the server closed or reset the connection under it.
+constexpr const char* kServerGoneHint =
+    ". The store's server is gone: the process hosting it (rank 0, or the `tandem run` launcher that "
+    "started this rank) exited or crashed. If rank 0 hosts the store it must not exit while other ranks "
+    "still use the group: end every rank's work with the same collective (e.g. barrier), or start the "
+    "ranks with `tandem run`, whose launcher hosts the store";
 
 int remaining_ms(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
@@ -43,6 +49,7 @@ int remaining_ms(Clock::time_point deadline) {
 struct IoFailure {
   bool timed_out = false;
   std::string cause;
+  bool peer_gone = false;  // the server closed or reset the connection (its process likely exited)
 };
 
 // Waits for `events` on fd until the deadline; nullopt when ready.
@@ -67,7 +74,8 @@ std::optional<IoFailure> send_all(int fd, const uint8_t* data, size_t size, Cloc
       if (auto f = wait_fd(fd, POLLOUT, deadline)) return f;
       continue;
     }
-    return IoFailure{false, fmt::format("send failed: {}", std::strerror(errno))};
+    const int e = errno;
+    return IoFailure{false, fmt::format("send failed: {}", std::strerror(e)), e == EPIPE || e == ECONNRESET};
   }
   return std::nullopt;
 }
@@ -77,13 +85,14 @@ std::optional<IoFailure> recv_all(int fd, uint8_t* data, size_t size, Clock::tim
   while (got < size) {
     ssize_t n = recv(fd, data + got, size - got, 0);
     if (n > 0) { got += static_cast<size_t>(n); continue; }
-    if (n == 0) return IoFailure{false, "the server closed the connection"};
+    if (n == 0) return IoFailure{false, "the server closed the connection", true};
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       if (auto f = wait_fd(fd, POLLIN, deadline)) return f;
       continue;
     }
-    return IoFailure{false, fmt::format("recv failed: {}", std::strerror(errno))};
+    const int e = errno;
+    return IoFailure{false, fmt::format("recv failed: {}", std::strerror(e)), e == ECONNRESET};
   }
   return std::nullopt;
 }
@@ -273,7 +282,8 @@ TCPStore::Reply TCPStore::roundtrip(const std::string& what, const Bytes& reques
     if (f->timed_out) {
       throw Timeout(fmt::format("TCPStore: {} on {} timed out after {} ms", what, peer(), timeout.count()));
     }
-    throw CommError(fmt::format("TCPStore: {} on {} failed: {}", what, peer(), f->cause));
+    throw CommError(fmt::format("TCPStore: {} on {} failed: {}{}", what, peer(), f->cause,
+                                f->peer_gone ? kServerGoneHint : ""));
   }
   if (reply.status == wire::Status::kError) {
     release(fd);  // the exchange completed; the connection is in step
