@@ -505,9 +505,6 @@ TEST(DDPSemantics, ConvertSyncBatchNormKeepsValuesAndTrainingFlag) {
       Tensor y = bn2->forward(td::full({2, 3}, 3.0));
       expect_close(y, td::full({2, 3}, 3.0 / std::sqrt(1.0 + 1e-5)), "eval after convert");
     }
-    // Rank 0 hosts the store: without this it could exit while rank 1 still waits for the reply
-    // to its last store request of the group's construction (seen 7 times in 150 runs under load).
-    group->barrier()->wait();
   });
 }
 
