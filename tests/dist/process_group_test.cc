@@ -245,6 +245,52 @@ TEST(Spawn, RankZeroLeavingRightAfterInitDoesNotBreakTheOthersShmConstruction) {
   }
 }
 
+// The same over gloo (whose construction ends in store reads of the peers' addresses: failed in
+// round 0 before init_process_group held the store's host until every rank had built the group),
+// and for a subgroup rank 0 is not a member of (rank 0 returned from new_group at once and left
+// while the members were building it: failed in round 0 too).
+TEST(Spawn, RankZeroLeavingRightAfterInitOrANewGroupDoesNotBreakTheOthers) {
+  for (int round = 0; round < 20; ++round) {
+    SCOPED_TRACE(round);
+    if (backend_available("gloo")) {
+      spawn(4, [](int) {
+        InitOptions o;
+        o.backend = "gloo";
+        o.timeout = 20s;
+        init_process_group(o);
+      }, spawn_options());
+    }
+    spawn(4, [](int rank) {
+      InitOptions o;
+      o.timeout = 20s;
+      init_process_group(o);
+      auto sub = new_group({1, 2, 3});
+      require((rank == 0) == (sub == nullptr), "membership of new_group");
+    }, spawn_options());
+  }
+}
+
+// A rank that skips new_group (it must call it, member or not): the store's host, which waits for
+// every rank to have built the group, stops at the timeout naming it and the rule.
+TEST(Spawn, ARankSkippingNewGroupIsNamedByTheStoresHost) {
+  spawn(3, [](int rank) {
+    InitOptions o;
+    o.timeout = 20s;
+    init_process_group(o);
+    if (rank == 2) return;  // breaks the rule
+    try {
+      auto sub = new_group({0, 1}, 1500ms);
+      require(rank == 1 && sub != nullptr, fmt::format("rank {}: new_group returned", rank));
+    } catch (const Timeout& e) {
+      const std::string m = e.what();
+      require(rank == 0 && m.find("rank(s) 2 of 3 did not finish building the group") != std::string::npos &&
+                  m.find("every rank of the default group must call new_group") != std::string::npos,
+              fmt::format("rank {}: unexpected message: {}", rank, m));
+      return;
+    }
+  }, spawn_options());
+}
+
 // The backend-agnostic sweep (tests/dist/collective_sweep.h, written for the mpi backend) over
 // shm ranks that are real processes: a second, independent reference implementation.
 TEST(Spawn, SharedCollectiveSweepOnShmProcesses) {

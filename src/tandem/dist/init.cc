@@ -172,6 +172,35 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
   }
 }
 
+// The process hosting a TCPStore (rank 0 without a launcher) must not leave while another rank
+// still awaits a reply from it, or that rank fails with "connection reset" in the middle of
+// building a group. After its part of building group `prefix`, every rank sets a key (the reply to
+// that set is the last one it needs: the server answers a set before waking the waiters of its
+// key); the host returns only when every rank has. Ranks of a FileStore skip this.
+void release_store_host(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout,
+                        const char* what) {
+  auto* tcp = dynamic_cast<TCPStore*>(&store);
+  if (tcp == nullptr) return;
+  store.set(fmt::format("{}/built/{}", prefix, rank), "1");
+  if (!tcp->is_master()) return;
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/built/{}", prefix, r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const Timeout&) {
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r) {
+      if (!store.check({keys[r]})) missing.push_back(r);
+    }
+    throw Timeout(fmt::format("{}: rank(s) {} of {} did not finish building the group within {} ms (rank {}, which "
+                              "hosts the store, waited for them){}",
+                              what, fmt::join(missing, ", "), size, timeout.count(), rank,
+                              std::string(what) == "new_group"
+                                  ? "; every rank of the default group must call new_group, members or not"
+                                  : ""));
+  }
+}
+
 std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, int world_size) {
   const std::string& m = o.init_method;
   auto need = [](bool ok, const char* what) {
@@ -268,6 +297,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   ProcessGroupOptions pgo;
   pgo.timeout = options.timeout;
   s.default_pg = make_process_group(options.backend, pg_store, rank, world_size, pgo);
+  release_store_host(*store, name, rank, world_size, options.timeout, "init_process_group");
   s.store = store;
   s.backend = options.backend;
   s.group_name = name;
@@ -309,11 +339,16 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   // Every rank of the default group numbers its subgroups the same way (c10d's rule), so the
   // k-th new_group call names the same store prefix everywhere, members or not.
   const int64_t id = s.next_subgroup++;
-  auto it = std::find(sorted.begin(), sorted.end(), pg->rank());
-  if (it == sorted.end()) return nullptr;
-  const int sub_rank = static_cast<int>(it - sorted.begin());
   const std::string name = fmt::format("{}/sub{}", s.group_name, id);
   auto store = s.store;
+  auto it = std::find(sorted.begin(), sorted.end(), pg->rank());
+  if (it == sorted.end()) {
+    // Not a member; the store's host still waits here until the members have built the group.
+    lock.unlock();
+    release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group");
+    return nullptr;
+  }
+  const int sub_rank = static_cast<int>(it - sorted.begin());
   const std::string backend = s.backend;
   lock.unlock();
   rendezvous(*store, name + "/init", sub_rank, static_cast<int>(sorted.size()), timeout);
@@ -321,6 +356,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   pgo.timeout = timeout;
   auto sub = make_process_group(backend, std::make_shared<PrefixStore>(name, store), sub_rank,
                                 static_cast<int>(sorted.size()), pgo);
+  release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group");
   lock.lock();
   s.subgroups.push_back(sub);
   return sub;

@@ -196,7 +196,9 @@ struct LaunchEnv {
 LaunchEnv read_launch_env();
 
 // Creates the default group (once; a second call throws ValueError) and returns it. A missing
-// variable is an error naming it and how to set it.
+// variable is an error naming it and how to set it. The rank that hosts the TCPStore (rank 0
+// unless a launcher hosts it) returns only once every rank has built the group, so it may leave
+// at once without cutting a slower rank off the store; new_group likewise.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 bool is_initialized();
 // The default group; throws ValueError when init_process_group has not been called.

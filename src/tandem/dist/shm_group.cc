@@ -496,8 +496,9 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
     }
     if (missing.empty()) break;
     for (int p : missing) {
+      // A peer that mapped meanwhile may have finished and exited since `missing` was read.
       const pid_t pid = ctl(p).pid.load();
-      TANDEM_CHECK(process_alive(pid), CommError,
+      TANDEM_CHECK(process_alive(pid) || ctl(p).mapped.load(std::memory_order_acquire) == 1, CommError,
                    "shm backend: rank {} (pid {}) died before it mapped the group's segments (rank {} waited)", p,
                    static_cast<long>(pid), rank);
     }
