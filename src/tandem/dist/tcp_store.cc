@@ -36,9 +36,9 @@ constexpr uint64_t kMaxReplyBytes = kStoreMaxValueBytes + 64;
 // Appended to a request's error when the server closed or reset the connection under it.
 constexpr const char* kServerGoneHint =
     ". The store's server is gone: the process hosting it (rank 0, or the `tandem run` launcher that "
-    "started this rank) exited or crashed. If rank 0 hosts the store it must not exit while other ranks "
-    "still use the group: end every rank's work with the same collective (e.g. barrier), or start the "
-    "ranks with `tandem run`, whose launcher hosts the store";
+    "started this rank) exited, crashed or gave up; its log says why. If it ended normally, the rank "
+    "hosting the store must outlive the others' use of the store (e.g. end every rank with a barrier), or "
+    "start the ranks with `tandem run`, whose launcher hosts the store";
 
 int remaining_ms(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
