@@ -228,12 +228,12 @@ TEST(Spawn, EnvInitAllReduceAcrossProcessesAndSubgroups) {
   }, spawn_options());
 }
 
-// Rank 0 hosts the store (as under a launcher that does not, e.g. mpirun or srun) and leaves as
-// soon as init_process_group returns, without a collective: the others must not lose the store in
-// the middle of building the shm group (their last store requests were answered only after rank 0
-// could already return; 7 of 150 runs of a test doing this failed under load with "Connection reset
-// by peer" before the group's construction ended with a barrier in shared memory instead). Four
-// ranks on fewer cores make the late rank likely.
+// Rank 0 hosts the store (as when the ranks are started without `tandem run`, e.g. by mpirun or
+// srun) and leaves as soon as init_process_group returns, without a collective: the others must
+// not lose the store while still building the group. This failed in round 0 ("the server closed
+// the connection" in the last store wait of the shm group's construction) before that wait became
+// a barrier in shared memory and the store's host waited for every rank to have built the group.
+// Four ranks on two cores make a late rank likely.
 TEST(Spawn, RankZeroLeavingRightAfterInitDoesNotBreakTheOthersShmConstruction) {
   for (int round = 0; round < 30; ++round) {
     SCOPED_TRACE(round);

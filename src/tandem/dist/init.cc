@@ -176,9 +176,10 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
 // still awaits a reply from it, or that rank fails with "connection reset" in the middle of
 // building a group. After its part of building group `prefix`, every rank sets a key (the reply to
 // that set is the last one it needs: the server answers a set before waking the waiters of its
-// key); the host returns only when every rank has. Ranks of a FileStore skip this.
+// key); the host returns only when every rank has. Ranks of a FileStore skip this. `what` names
+// the call in a timeout's message, `rule` (if any) follows it.
 void release_store_host(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout,
-                        const char* what) {
+                        const char* what, const char* rule = "") {
   auto* tcp = dynamic_cast<TCPStore*>(&store);
   if (tcp == nullptr) return;
   store.set(fmt::format("{}/built/{}", prefix, rank), "1");
@@ -194,10 +195,7 @@ void release_store_host(Store& store, const std::string& prefix, int rank, int s
     }
     throw Timeout(fmt::format("{}: rank(s) {} of {} did not finish building the group within {} ms (rank {}, which "
                               "hosts the store, waited for them){}",
-                              what, fmt::join(missing, ", "), size, timeout.count(), rank,
-                              std::string(what) == "new_group"
-                                  ? "; every rank of the default group must call new_group, members or not"
-                                  : ""));
+                              what, fmt::join(missing, ", "), size, timeout.count(), rank, rule));
   }
 }
 
@@ -322,6 +320,10 @@ std::shared_ptr<ProcessGroup> default_group() {
 int get_rank() { return default_group()->rank(); }
 int get_world_size() { return default_group()->size(); }
 
+namespace {
+constexpr const char* kNewGroupRule = "; every rank of the default group must call new_group, members or not";
+}  // namespace
+
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chrono::milliseconds timeout) {
   auto pg = default_group();
   GroupState& s = state();
@@ -345,7 +347,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   if (it == sorted.end()) {
     // Not a member; the store's host still waits here until the members have built the group.
     lock.unlock();
-    release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group");
+    release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group", kNewGroupRule);
     return nullptr;
   }
   const int sub_rank = static_cast<int>(it - sorted.begin());
@@ -356,7 +358,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   pgo.timeout = timeout;
   auto sub = make_process_group(backend, std::make_shared<PrefixStore>(name, store), sub_rank,
                                 static_cast<int>(sorted.size()), pgo);
-  release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group");
+  release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group", kNewGroupRule);
   lock.lock();
   s.subgroups.push_back(sub);
   return sub;
