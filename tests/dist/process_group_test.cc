@@ -231,9 +231,8 @@ TEST(Spawn, EnvInitAllReduceAcrossProcessesAndSubgroups) {
 // Rank 0 hosts the store (as when the ranks are started without `tandem run`, e.g. by mpirun or
 // srun) and leaves as soon as init_process_group returns, without a collective: the others must
 // not lose the store while still building the group. This failed in round 0 ("the server closed
-// the connection" in the last store wait of the shm group's construction) before that wait became
-// a barrier in shared memory and the store's host waited for every rank to have built the group.
-// Four ranks on two cores make a late rank likely.
+// the connection" in the last store wait of the shm group's construction) before the store's host
+// waited for every rank to have built the group. Four ranks on two cores make a late rank likely.
 TEST(Spawn, RankZeroLeavingRightAfterInitDoesNotBreakTheOthersShmConstruction) {
   for (int round = 0; round < 30; ++round) {
     SCOPED_TRACE(round);

@@ -134,12 +134,27 @@ GroupState& state() {
   return *s;
 }
 
+// "<prefix>/<rank>" for every rank of a group of `size`.
+std::vector<std::string> rank_keys(const std::string& prefix, int size) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/{}", prefix, r));
+  return keys;
+}
+
+// The ranks whose key (rank_keys order) is not in the store yet.
+std::vector<int> missing_ranks(Store& store, const std::vector<std::string>& keys) {
+  std::vector<int> missing;
+  for (size_t r = 0; r < keys.size(); ++r) {
+    if (!store.check({keys[r]})) missing.push_back(static_cast<int>(r));
+  }
+  return missing;
+}
+
 // Every rank announces itself and waits for the others; a missing rank is named, also when the
 // store itself goes away meanwhile (rank 0, its host, gave up first).
 void rendezvous(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout) {
   store.set(fmt::format("{}/rank/{}", prefix, rank), fmt::format("{}", static_cast<long>(getpid())));
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/rank/{}", prefix, r));
+  const std::vector<std::string> keys = rank_keys(prefix + "/rank", size);
   const auto deadline = Clock::now() + timeout;
   std::vector<int> missing;
   for (;;) {
@@ -149,11 +164,7 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
         store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
         return;
       } catch (const Timeout&) {
-        std::vector<int> now_missing;
-        for (int r = 0; r < size; ++r) {
-          if (!store.check({keys[r]})) now_missing.push_back(r);
-        }
-        missing = std::move(now_missing);
+        missing = missing_ranks(store, keys);
         if (Clock::now() < deadline) continue;
         throw Timeout(fmt::format(
             "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
@@ -182,17 +193,13 @@ void release_store_host(Store& store, const std::string& prefix, int rank, int s
                         const char* what, const char* rule = "") {
   auto* tcp = dynamic_cast<TCPStore*>(&store);
   if (tcp == nullptr) return;
-  store.set(fmt::format("{}/built/{}", prefix, rank), "1");
+  const std::vector<std::string> keys = rank_keys(prefix + "/built", size);
+  store.set(keys[static_cast<size_t>(rank)], "1");
   if (!tcp->is_master()) return;
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/built/{}", prefix, r));
   try {
     store.wait(keys, timeout);
   } catch (const Timeout&) {
-    std::vector<int> missing;
-    for (int r = 0; r < size; ++r) {
-      if (!store.check({keys[r]})) missing.push_back(r);
-    }
+    const std::vector<int> missing = missing_ranks(store, keys);
     throw Timeout(fmt::format("{}: rank(s) {} of {} did not finish building the group within {} ms (rank {}, which "
                               "hosts the store, waited for them){}",
                               what, fmt::join(missing, ", "), size, timeout.count(), rank, rule));

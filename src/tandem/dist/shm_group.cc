@@ -167,7 +167,6 @@ struct alignas(64) RankCtl {
   std::atomic<uint32_t> waiters;
   alignas(64) std::atomic<int32_t> pid;
   std::atomic<int32_t> state;  // 0 running, 1 left the group, 2 failed
-  std::atomic<int32_t> mapped;  // 1 once this rank mapped every segment (construction's last step)
   Desc recent[kRecent];        // recent[seq % kRecent]
   char error[1024];            // why this rank failed (state 2)
 };
@@ -479,34 +478,8 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
   RankCtl& mine = ctl(rank);
   mine.pid.store(static_cast<int32_t>(getpid()));
   mine.state.store(0);
-  // The last step meets in shared memory, not in the store: every rank's store requests are then
-  // answered before any rank returns, so a rank hosting the store (rank 0 without a launcher) may
-  // leave right after construction without cutting a slower rank off in mid-request.
-  mine.mapped.store(1, std::memory_order_release);
-  for (int p = 0; p < size; ++p) {
-    ctl(p).epoch.fetch_add(1);
-    futex_wake_all(&ctl(p).epoch);
-  }
-  const auto deadline = Clock::now() + timeout;
-  while (true) {
-    const uint32_t epoch = mine.epoch.load();
-    std::vector<int> missing;
-    for (int p = 0; p < size; ++p) {
-      if (ctl(p).mapped.load(std::memory_order_acquire) != 1) missing.push_back(p);
-    }
-    if (missing.empty()) break;
-    for (int p : missing) {
-      // A peer that mapped meanwhile may have finished and exited since `missing` was read.
-      const pid_t pid = ctl(p).pid.load();
-      TANDEM_CHECK(process_alive(pid) || ctl(p).mapped.load(std::memory_order_acquire) == 1, CommError,
-                   "shm backend: rank {} (pid {}) died before it mapped the group's segments (rank {} waited)", p,
-                   static_cast<long>(pid), rank);
-    }
-    TANDEM_CHECK(Clock::now() < deadline, Timeout,
-                 "shm backend: rank(s) {} of {} did not map the group's segments within {} ms (rank {} waited)",
-                 fmt::join(missing, ", "), size, timeout.count(), rank);
-    futex_wait(&mine.epoch, epoch, 10ms);
-  }
+  store_->set(fmt::format("shm/mapped/{}", rank), "1");
+  wait_keys("shm/mapped", "map the group's segments");
   heap_->segment()->unlink();
   if (rank == 0) ctl_seg_->unlink();
   pending_sends_.resize(size);
