@@ -846,7 +846,7 @@ TEST(DDPSemantics, OptionsThatDifferAcrossRanksAreAnErrorNamingTheOption) {
     DDPOptions o;
     if (rank == 2) o.bucket_cap_mb = 1e-5;
     expect_value_error([&] { DistributedDataParallel(ignore_probe(0), group, o); },
-                       {"the options differ across ranks (ranks 2 differ from rank 0)", "rank 0 has bucket_cap_mb=25",
+                       {"the options differ across ranks (rank 2 differs from rank 0)", "rank 0 has bucket_cap_mb=25",
                         "rank 2 has bucket_cap_mb=1e-05", "Pass the same DDPOptions on every rank"},
                        "bucket_cap_mb on rank 2");
     o = DDPOptions{.params_and_buffers_to_ignore = {"0.weight"}};

@@ -518,7 +518,7 @@ TEST(DDP, SyncBatchNormOnSomeRanksOnlyIsAnErrorNamingTheLayer) {
     auto model = td::nn::models::cnn();
     if (group->rank() == 1) td::parallel::convert_sync_batchnorm(*model, group);
     expect_error([&] { DistributedDataParallel ddp(model, group); },
-                 {"the model differs across ranks (ranks 1 differ from rank 0)",
+                 {"the model differs across ranks (rank 1 differs from rank 0)",
                   "rank 0 has batch norm 'features.1' with this rank's statistics (BatchNorm)",
                   "rank 1 has batch norm 'features.1' with statistics over a process group (SyncBatchNorm)"},
                  "SyncBatchNorm on rank 1 only");

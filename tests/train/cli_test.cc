@@ -634,6 +634,30 @@ TEST(TrainCli, CnnSyncBatchNormTwoProcessesMatchOneProcessBatchNorm) {
   EXPECT_LT(std::sqrt(diff2 / norm2), 5e-5);
 }
 
+// Ranks launched with different configs (a script that passes per-rank --set) stop at start-up
+// with one error naming the first key that differs, both values and the ranks, where before they
+// failed later with a collective mismatch (train.steps) or, with a different lr, trained replicas
+// that drifted apart without a word. The keys each rank may set for itself pass.
+TEST(TrainCli, RanksWithDifferentConfigsStopAtStartNamingTheKey) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 2, 0);
+  const std::string per_rank = kCli + " run --nproc-per-node 3 sh -c 'exec " + kCli + " train --config " + cfg +
+                               " --out " + dir.path() + "/r$RANK --set train_batch_size=12 --set train.threads=$((RANK % 2 + 1))" +
+                               " --set data.num_workers=$RANK --set log.progress=none";
+  std::string out;
+  ASSERT_EQ(run(per_rank + "'", &out), 0) << out;
+  EXPECT_TRUE(fs::exists(dir.path() + "/r0/checkpoints/step_00000002")) << out;
+
+  EXPECT_NE(run(per_rank + " --set optimizer.params.lr=0.00$((RANK + 1))'", &out), 0);
+  EXPECT_NE(out.find("the config differs across ranks (ranks 1, 2 differ from rank 0): \"optimizer.params.lr\" is "
+                     "0.001 on rank 0 and 0.002 on rank 1"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(run(per_rank + " --set seed=$((RANK / 2))'", &out), 0);
+  EXPECT_NE(out.find("(rank 2 differs from rank 0): \"seed\" is 0 on rank 0 and 1 on rank 2"), std::string::npos) << out;
+  EXPECT_EQ(out.find("collective mismatch"), std::string::npos) << out;
+}
+
 TEST(TrainCli, ArgumentAndConfigErrors) {
   tandem::testing::TempDir dir;
   const std::string cfg = write_config(dir.path(), 2, 0);

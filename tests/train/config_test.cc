@@ -2,6 +2,7 @@
 // naming the key, the value and the fix.
 #include "tandem/train/config.h"
 
+#include <algorithm>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -468,8 +469,63 @@ TEST(Config, LoadConfigReadsFileAndReportsBadJson) {
   const Config c = load_config(good, {"train_batch_size=64"});
   EXPECT_EQ(c.train_batch_size, 64);
   EXPECT_THROW(load_config(bad, {}), IOError);
-  EXPECT_THROW(load_config(dir.path() + "/missing.json", {}), IOError);
   EXPECT_EQ(load_config("", {}).model.hidden.size(), 2u);
+  // An unreadable path says why.
+  auto io_error_of = [](const std::string& path) {
+    try {
+      load_config(path, {});
+    } catch (const IOError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(io_error_of(dir.path() + "/missing.json").find("missing.json\": No such file or directory"), std::string::npos);
+  EXPECT_NE(io_error_of(dir.path()).find("is a directory; give the JSON file"), std::string::npos);
+}
+
+// What tandem train's ranks compare at start-up: every key of the table but the rank-local ones,
+// written by value, "unset" where not given.
+TEST(Config, SharedConfigLinesCoverEveryKeyButTheRankLocalOnes) {
+  const std::vector<std::string> lines = shared_config_lines(base());
+  const auto has = [&](const std::string& line) { return std::find(lines.begin(), lines.end(), line) != lines.end(); };
+  EXPECT_TRUE(has("train_batch_size = 32"));
+  EXPECT_TRUE(has("model.name = \"mlp\""));
+  EXPECT_TRUE(has("optimizer.params.lr = unset"));
+  for (const std::string& line : lines) {
+    const std::string key = line.substr(0, line.find(" = "));
+    EXPECT_FALSE(is_rank_local_key(key)) << line;
+  }
+  for (const char* k : {"data.path", "data.num_workers", "train.threads", "dist.timeout_s", "log.progress"}) {
+    EXPECT_TRUE(is_rank_local_key(k)) << k;
+  }
+  EXPECT_FALSE(is_rank_local_key("data.name"));
+  EXPECT_FALSE(is_rank_local_key("dist.backend"));
+
+  // Equal by value: 32 and 32.0, [0.9, 0.999] written either way, null as not given; the
+  // rank-local keys do not count.
+  json same = base();
+  same["train_batch_size"] = 32.0;
+  same["optimizer"] = {{"params", {{"betas", {0.9, 0.999}}, {"lr", nullptr}}}};
+  same["data"]["path"] = "/node1/data";
+  same["train"] = {{"threads", 4}};
+  json with_betas = base();
+  with_betas["optimizer"] = {{"params", {{"betas", {0.90, 0.9990}}}}};
+  with_betas["train"] = {{"threads", 1}};
+  EXPECT_EQ(shared_config_lines(same), shared_config_lines(with_betas));
+
+  // Any other difference shows, also a default written out on one side only (the ranks cannot
+  // tell that the value is the default; the error asks for the same config everywhere).
+  json other = with_betas;
+  other["seed"] = 0;
+  EXPECT_NE(shared_config_lines(other), shared_config_lines(with_betas));
+  other = with_betas;
+  other["model"]["hidden"] = {512, 1024};
+  const auto a = shared_config_lines(with_betas), b = shared_config_lines(other);
+  ASSERT_EQ(a.size(), b.size());
+  size_t i = 0;
+  while (a[i] == b[i]) ++i;
+  EXPECT_EQ(a[i], "model.hidden = unset");
+  EXPECT_EQ(b[i], "model.hidden = [512, 1024]");
 }
 
 TEST(Config, ShippedConfigsParse) {

@@ -1,9 +1,12 @@
-// Metric helpers for training loops: the mean of a scalar over a group, and logging from rank 0
-// only. Both are cheap conveniences over ProcessGroup; all_reduce_mean is a collective (every rank
-// must call it), print_rank0 is not.
+// Small helpers over ProcessGroup for training loops and agreement checks: the mean of a scalar
+// over a group, logging from rank 0 only, a string broadcast, a gather of a few integers, and the
+// way an error names the ranks that disagree with rank 0. The collectives among them (every rank
+// must call them) say so.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tandem/dist/process_group.h"
 
@@ -18,5 +21,12 @@ double all_reduce_mean(const Tensor& scalar, ProcessGroup& group);
 bool is_main_process();
 // Writes `line` (and a newline) to stdout on rank 0 of the default group only.
 void print_rank0(const std::string& line);
+
+// Collective: `mine` on `root`, returned on every rank (length first, then the bytes).
+std::string broadcast_string(ProcessGroup& group, const std::string& mine, int root);
+// Collective: every rank's `mine` (the same length on every rank): result[r][i] is rank r's i-th.
+std::vector<std::vector<int64_t>> all_gather_i64(ProcessGroup& group, const std::vector<int64_t>& mine);
+// "rank 2 differs" / "ranks 1, 3 differ": the subject of an error about ranks that disagree.
+std::string ranks_differ(const std::vector<int>& ranks);
 
 }  // namespace tandem::dist

@@ -69,30 +69,6 @@ std::vector<std::string> split_lines(const std::string& s) {
   return out;
 }
 
-// Broadcasts a string from `root` (length first, then bytes).
-std::string broadcast_string(dist::ProcessGroup& group, const std::string& mine, int root) {
-  Tensor len = tensor(std::vector<int64_t>{static_cast<int64_t>(mine.size())}, {1});
-  group.broadcast(len, root)->wait();
-  const int64_t n = len.data_ptr<int64_t>()[0];
-  Tensor bytes = zeros({n}, kUInt8);
-  if (group.rank() == root && n > 0) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  group.broadcast(bytes, root)->wait();
-  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
-}
-
-// Gathers one int64 per tensor from every rank: result[r][i].
-std::vector<std::vector<int64_t>> all_gather_i64(dist::ProcessGroup& group, const std::vector<int64_t>& mine) {
-  const int64_t n = static_cast<int64_t>(mine.size());
-  Tensor in = tensor(mine, {n});
-  Tensor out = empty({n * group.size()}, kInt64);
-  group.all_gather(dist::as_buffer(out), dist::as_buffer(in))->wait();
-  std::vector<std::vector<int64_t>> result(group.size());
-  for (int r = 0; r < group.size(); ++r) {
-    result[r].assign(out.data_ptr<int64_t>() + r * n, out.data_ptr<int64_t>() + (r + 1) * n);
-  }
-  return result;
-}
-
 // join's throw_on_early_termination error, after `what` happened.
 ValueError early_termination(const std::string& what) {
   return ValueError(fmt::format(
@@ -190,7 +166,7 @@ void DistributedDataParallel::check_same_model() {
   }
   const std::string model_text = join_lines(model_lines);
   // One gather settles both; the (rare) disagreement costs a few broadcasts more to explain.
-  const auto hashes = all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(options_text.data(), options_text.size())),
+  const auto hashes = dist::all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(options_text.data(), options_text.size())),
                                                static_cast<int64_t>(fnv1a(model_text.data(), model_text.size()))});
   // The ranks whose k-th hash differs from rank 0's, the first of them, and the first line where
   // its text and rank 0's part (every rank computes the same, so all throw the same error).
@@ -206,8 +182,8 @@ void DistributedDataParallel::check_same_model() {
     }
     if (d.ranks.empty()) return d;
     const int first = d.ranks.front();
-    const auto lines0 = split_lines(broadcast_string(*group_, text, 0));
-    const auto lines_r = split_lines(broadcast_string(*group_, text, first));
+    const auto lines0 = split_lines(dist::broadcast_string(*group_, text, 0));
+    const auto lines_r = split_lines(dist::broadcast_string(*group_, text, first));
     while (d.line < lines0.size() && d.line < lines_r.size() && lines0[d.line] == lines_r[d.line]) ++d.line;
     d.at0 = d.line < lines0.size() ? lines0[d.line] : fmt::format("(nothing: rank 0 has fewer {})", what);
     d.at_r = d.line < lines_r.size() ? lines_r[d.line] : fmt::format("(nothing: rank {} has fewer {})", first, what);
@@ -215,15 +191,15 @@ void DistributedDataParallel::check_same_model() {
   };
   if (const Difference d = difference(0, options_text, "options"); !d.ranks.empty()) {
     throw ValueError(fmt::format(
-        "DistributedDataParallel: the options differ across ranks (ranks {} differ from rank 0): rank 0 has {}, rank {} "
+        "DistributedDataParallel: the options differ across ranks ({} from rank 0): rank 0 has {}, rank {} "
         "has {}. Pass the same DDPOptions on every rank (they decide which collectives each rank issues)",
-        fmt::join(d.ranks, ", "), d.at0, d.ranks.front(), d.at_r));
+        dist::ranks_differ(d.ranks), d.at0, d.ranks.front(), d.at_r));
   }
   if (const Difference d = difference(1, model_text, "items"); !d.ranks.empty()) {
     throw ValueError(fmt::format(
-        "DistributedDataParallel: the model differs across ranks (ranks {} differ from rank 0). First difference, "
+        "DistributedDataParallel: the model differs across ranks ({} from rank 0). First difference, "
         "item #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
-        fmt::join(d.ranks, ", "), d.line, d.at0, d.ranks.front(), d.at_r));
+        dist::ranks_differ(d.ranks), d.line, d.at0, d.ranks.front(), d.at_r));
   }
 }
 
@@ -428,14 +404,14 @@ void DistributedDataParallel::check_replicas() {
       }
     }
   }
-  const auto counts = all_gather_i64(*group_, {static_cast<int64_t>(sums.size())});
+  const auto counts = dist::all_gather_i64(*group_, {static_cast<int64_t>(sums.size())});
   for (int r = 1; r < group_->size(); ++r) {
     TANDEM_CHECK(counts[r][0] == counts[0][0], ValueError,
                  "check_replicas: rank {} has {} tensors to compare but rank 0 has {} (different model or "
                  "optimizer state)",
                  r, counts[r][0], counts[0][0]);
   }
-  const auto all = all_gather_i64(*group_, sums);
+  const auto all = dist::all_gather_i64(*group_, sums);
   for (size_t i = 0; i < sums.size(); ++i) {
     std::vector<int> bad;
     for (int r = 1; r < group_->size(); ++r) {

@@ -4,7 +4,10 @@
 #include "tandem/train/config.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <numbers>
@@ -704,13 +707,48 @@ Config parse_config(const nlohmann::json& j, int world_size) {
   return c;
 }
 
+bool is_rank_local_key(const std::string& key) {
+  static const char* const kRankLocal[] = {"data.path", "data.num_workers", "train.threads", "dist.timeout_s",
+                                           "log.progress"};
+  return std::any_of(std::begin(kRankLocal), std::end(kRankLocal), [&](const char* k) { return key == k; });
+}
+
+namespace {
+
+// A value as shared_config_lines writes it: numbers by value, arrays element by element.
+std::string canonical(const json& v) {
+  if (v.is_number()) return fmt::format("{}", v.get<double>());
+  if (v.is_array()) {
+    std::vector<std::string> parts;
+    for (const json& e : v) parts.push_back(canonical(e));
+    return fmt::format("[{}]", fmt::join(parts, ", "));
+  }
+  return v.dump();
+}
+
+}  // namespace
+
+std::vector<std::string> shared_config_lines(const nlohmann::json& source) {
+  std::vector<std::string> lines;
+  for (const Spec& s : specs()) {
+    if (is_rank_local_key(s.path)) continue;
+    const json* v = at(source, s.path);
+    lines.push_back(fmt::format("{} = {}", s.path, v ? canonical(*v) : "unset"));
+  }
+  return lines;
+}
+
 Config load_config(const std::string& path, const std::vector<std::string>& overrides, int world_size) {
   json j;
   if (path.empty()) {
     j = default_config_json();
   } else {
+    errno = 0;
     std::ifstream f(path);
-    TANDEM_CHECK(f.good(), IOError, "config: cannot read \"{}\"", path);
+    const int err = errno;
+    TANDEM_CHECK(!std::filesystem::is_directory(path), IOError, "config: \"{}\" is a directory; give the JSON file", path);
+    TANDEM_CHECK(f.good(), IOError, "config: cannot read \"{}\": {}", path,
+                 err != 0 ? std::strerror(err) : "open failed");
     std::stringstream ss;
     ss << f.rdbuf();
     try {

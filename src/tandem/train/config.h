@@ -192,6 +192,18 @@ Config parse_config(const nlohmann::json& j, int world_size = 1);
 // message), ValueError as parse_config.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides, int world_size = 1);
 
+// Whether every rank may set `key` for itself: where it reads its data (data.path: node-local
+// copies), its loader workers and compute threads, its store timeout, its progress display. Every
+// other key decides what the ranks compute together, so they must agree on it.
+bool is_rank_local_key(const std::string& key);
+
+// What the ranks of one training job must agree on: one line per key of the table that is not
+// rank-local, in the table's order, "key = value" or "key = unset" (not given, or null). Numbers
+// are written by value (4 and 4.0 read the same). `tandem train` compares these across ranks at
+// start-up, where a rank launched with another config or --set would otherwise fail later with a
+// collective mismatch, or (a different lr, seed, clipping) silently train other replicas.
+std::vector<std::string> shared_config_lines(const nlohmann::json& source);
+
 // Levenshtein distance (exposed for tests).
 int64_t edit_distance(const std::string& a, const std::string& b);
 

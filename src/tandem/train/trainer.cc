@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <sstream>
 
 #include "tandem/amp/autocast.h"
 #include "tandem/amp/grad_scaler.h"
@@ -21,12 +22,14 @@
 #include "tandem/autograd/grad_mode.h"
 #include "tandem/core/allocator.h"
 #include "tandem/core/error.h"
+#include "tandem/core/hash.h"
 #include "tandem/core/parallel.h"
 #include "tandem/core/rng.h"
 #include "tandem/data/dataloader.h"
 #include "tandem/data/sampler.h"
 #include "tandem/data/text.h"
 #include "tandem/data/vision.h"
+#include "tandem/dist/metrics.h"
 #include "tandem/dist/process_group.h"
 #include "tandem/dist/store.h"
 #include "tandem/nn/models/cnn.h"
@@ -339,6 +342,40 @@ json TrainSummary::to_json() const {
   return j;
 }
 
+namespace {
+
+// Collective: every rank's config must equal rank 0's but for the rank-local keys; otherwise every
+// rank throws the same error naming the first key that differs, its two values and the ranks.
+void check_same_config(dist::ProcessGroup& pg, const Config& cfg) {
+  std::string text;
+  for (const std::string& line : shared_config_lines(cfg.source)) text += line + "\n";
+  const auto hashes = dist::all_gather_i64(pg, {static_cast<int64_t>(fnv1a(text.data(), text.size()))});
+  std::vector<int> differ;
+  for (int r = 1; r < pg.size(); ++r) {
+    if (hashes[r][0] != hashes[0][0]) differ.push_back(r);
+  }
+  if (differ.empty()) return;
+  const int first = differ.front();
+  const std::string text0 = dist::broadcast_string(pg, text, 0), text_r = dist::broadcast_string(pg, text, first);
+  std::istringstream s0(text0), s_r(text_r);
+  std::string l0, l_r;
+  while (std::getline(s0, l0) && std::getline(s_r, l_r) && l0 == l_r) {
+  }
+  // Lines are "key = value", one per key of the same table on every rank.
+  const size_t eq0 = l0.find(" = "), eq_r = l_r.find(" = ");
+  TANDEM_CHECK(eq0 != std::string::npos && eq_r != std::string::npos, Error,
+               "train: the config differs across ranks ({} from rank 0), but no line differs (\"{}\" vs \"{}\")",
+               dist::ranks_differ(differ), l0, l_r);
+  throw ValueError(fmt::format(
+      "train: the config differs across ranks ({} from rank 0): \"{}\" is {} on rank 0 and {} on rank {}. Every rank "
+      "must train with the same config (only {} may differ per rank); launch every rank with the same --config and "
+      "--set arguments",
+      dist::ranks_differ(differ), l0.substr(0, eq0), l0.substr(eq0 + 3), l_r.substr(eq_r + 3), first,
+      "data.path, data.num_workers, train.threads, dist.timeout_s and log.progress"));
+}
+
+}  // namespace
+
 TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   // =========================== set-up ===========================
   // ---- process group (only when launched with WORLD_SIZE > 1) ----
@@ -352,6 +389,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     io.backend = cfg.dist.backend;
     io.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.dist.timeout_s * 1000));
     pg = dist::is_initialized() ? dist::default_group() : dist::init_process_group(io);
+    check_same_config(*pg, cfg);
   } else if (cfg.ddp.options.deterministic) {
     // One process in deterministic mode still sums its micro-batches in DDP's tree: a group of one.
     pg = dist::make_process_group(
