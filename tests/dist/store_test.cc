@@ -224,6 +224,23 @@ TEST(TCPStore, MasterOnPortZeroBindsAFreePort) {
   EXPECT_FALSE(client.is_master());
 }
 
+// A port another process (here: another master) already listens on: the error says what to do.
+TEST(TCPStore, AMasterOnAPortInUseSaysToPickAnother) {
+  TCPStore first("127.0.0.1", 0, master_options());
+  try {
+    TCPStore second("127.0.0.1", first.port(), master_options());
+    FAIL() << "a second master listened on port " << first.port();
+  } catch (const CommError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(fmt::format("cannot listen on port {}: Address already in use; another process holds that "
+                                    "port",
+                                    first.port())),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("set MASTER_PORT (tandem run: --master-port) to a free port"), std::string::npos) << what;
+  }
+}
+
 TEST(TCPStore, ConcurrentAddsFromManyClientsSumExactly) {
   TCPStore master("127.0.0.1", 0, master_options());
   constexpr int kThreads = 6, kAdds = 300;

@@ -99,7 +99,11 @@ int bind_listener(uint16_t port, uint16_t* bound) {
                                       : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
     return fd;
   }
-  throw CommError(fmt::format("TCPStore server: cannot listen on port {}: {}", port, std::strerror(last_errno)));
+  throw CommError(fmt::format(
+      "TCPStore server: cannot listen on port {}: {}{}", port, std::strerror(last_errno),
+      last_errno == EADDRINUSE ? "; another process holds that port (an earlier run still alive, another job): set "
+                                 "MASTER_PORT (tandem run: --master-port) to a free port"
+                               : ""));
 }
 
 }  // namespace
