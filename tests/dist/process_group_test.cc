@@ -290,6 +290,33 @@ TEST(Spawn, ARankSkippingNewGroupIsNamedByTheStoresHost) {
   }, spawn_options());
 }
 
+// A rank started with another world size than the others (a typo in one rank's WORLD_SIZE):
+// before, the side with the larger size waited for ranks that never came and the other side timed
+// out in the shm group's construction, blaming a rank that had joined. Now both stop at the
+// rendezvous with the two sizes, well within the timeout, whichever side rank 0 is on.
+TEST(Spawn, RanksWithDifferentWorldSizesStopAtTheRendezvousNamingBoth) {
+  for (int odd : {0, 1}) {
+    SCOPED_TRACE(odd);
+    spawn(2, [odd](int rank) {
+      InitOptions o;
+      o.timeout = 20s;
+      o.world_size = rank == odd ? 3 : 2;
+      const auto t0 = Clock::now();
+      try {
+        init_process_group(o);
+        require(false, fmt::format("rank {}: init_process_group returned", rank));
+      } catch (const ValueError& e) {
+        const std::string m = e.what();
+        const std::string want = fmt::format("the ranks disagree on the world size: rank {} was started with {}, rank {} with {}",
+                                             rank, rank == odd ? 3 : 2, 1 - rank, rank == odd ? 2 : 3);
+        require(m.find(want) != std::string::npos && m.find("start every rank with the same WORLD_SIZE") != std::string::npos,
+                fmt::format("rank {}: unexpected message: {}", rank, m));
+      }
+      require(Clock::now() - t0 < 5s, fmt::format("rank {}: took longer than 5 s", rank));
+    }, spawn_options());
+  }
+}
+
 // The backend-agnostic sweep (tests/dist/collective_sweep.h, written for the mpi backend) over
 // shm ranks that are real processes: a second, independent reference implementation.
 TEST(Spawn, SharedCollectiveSweepOnShmProcesses) {

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -150,37 +151,81 @@ std::vector<int> missing_ranks(Store& store, const std::vector<std::string>& key
   return missing;
 }
 
-// Every rank announces itself and waits for the others; a missing rank is named, also when the
-// store itself goes away meanwhile (rank 0, its host, gave up first).
+// The world size in a rendezvous key's value ("<pid> <world size>").
+int announced_world_size(const Bytes& value) {
+  const std::string v = to_string(value);
+  const size_t space = v.find(' ');
+  return space == std::string::npos ? -1 : std::atoi(v.c_str() + space + 1);
+}
+
+// Every rank announces itself (its pid and the world size it was started with) and waits for the
+// others; a missing rank is named, also when the store itself goes away meanwhile (rank 0, its
+// host, gave up first). A rank started with another world size would wait for ranks that never
+// come, or leave the others waiting in the backend's construction; so every other rank reads rank
+// 0's world size before announcing its own, and rank 0 reads each rank's as it arrives: both sides
+// of a disagreement stop at once with an error naming the two sizes (the other rank has read rank
+// 0's key before rank 0 can see its key and leave with the store).
 void rendezvous(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout) {
-  store.set(fmt::format("{}/rank/{}", prefix, rank), fmt::format("{}", static_cast<long>(getpid())));
   const std::vector<std::string> keys = rank_keys(prefix + "/rank", size);
+  const std::string mine = fmt::format("{} {}", static_cast<long>(getpid()), size);
   const auto deadline = Clock::now() + timeout;
+  auto disagree = [&](int other, int theirs) {
+    return ValueError(fmt::format(
+        "init_process_group: the ranks disagree on the world size: rank {} was started with {}, rank {} with {}; "
+        "start every rank with the same WORLD_SIZE (or InitOptions::world_size)",
+        rank, size, other, theirs));
+  };
+  std::vector<bool> compared(keys.size(), false);  // rank 0: whose world size it has read
+  compared[0] = true;
   std::vector<int> missing;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    try {
+  // Waits in slices until every key of `wanted` is in the store (rank 0 reading the world sizes
+  // of the ranks that arrived meanwhile), or throws naming the ranks still missing.
+  auto wait_for = [&](const std::vector<std::string>& wanted) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      bool done = false;
       try {
-        store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
-        return;
-      } catch (const Timeout&) {
-        missing = missing_ranks(store, keys);
-        if (Clock::now() < deadline) continue;
+        try {
+          store.wait(wanted, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
+          done = true;
+          missing.clear();
+        } catch (const Timeout&) {
+          missing = missing_ranks(store, keys);
+          std::erase(missing, rank);  // (before it announces itself, a rank's own key is missing too)
+        }
+        if (rank == 0) {
+          for (size_t r = 1; r < keys.size(); ++r) {
+            if (compared[r] || std::find(missing.begin(), missing.end(), static_cast<int>(r)) != missing.end()) continue;
+            const int theirs = announced_world_size(store.get(keys[r]));
+            compared[r] = true;
+            if (theirs != size) throw disagree(static_cast<int>(r), theirs);
+          }
+        }
+      } catch (const CommError& e) {
+        if (missing.empty()) throw;
+        throw CommError(fmt::format(
+            "init_process_group: rank {} lost the store while rank(s) {} of {} had not joined the rendezvous "
+            "(rank 0 hosts the store and gives up at its own timeout): {}",
+            rank, fmt::join(missing, ", "), size, e.what()));
+      }
+      if (done) return;
+      if (Clock::now() >= deadline) {
         throw Timeout(fmt::format(
             "init_process_group: rank(s) {} of {} did not join the rendezvous within {} ms (rank {} waited); "
             "check that every rank was started with the same MASTER_ADDR/MASTER_PORT (or init_method) and world size",
             fmt::join(missing, ", "), size, timeout.count(), rank));
       }
-    } catch (const Timeout&) {
-      throw;
-    } catch (const CommError& e) {
-      if (missing.empty()) throw;
-      throw CommError(fmt::format(
-          "init_process_group: rank {} lost the store while rank(s) {} of {} had not joined the rendezvous "
-          "(rank 0 hosts the store and gives up at its own timeout): {}",
-          rank, fmt::join(missing, ", "), size, e.what()));
     }
+  };
+  if (rank != 0) {
+    wait_for({keys[0]});
+    const int theirs = announced_world_size(store.get(keys[0]));
+    store.set(keys[static_cast<size_t>(rank)], mine);  // rank 0 learns of the disagreement from it
+    if (theirs != size) throw disagree(0, theirs);
+  } else {
+    store.set(keys[0], mine);
   }
+  wait_for(keys);
 }
 
 // The process hosting a TCPStore (rank 0 without a launcher) must not leave while another rank
