@@ -7,6 +7,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <string>
@@ -315,6 +317,85 @@ TEST(Spawn, RanksWithDifferentWorldSizesStopAtTheRendezvousNamingBoth) {
       require(Clock::now() - t0 < 5s, fmt::format("rank {}: took longer than 5 s", rank));
     }, spawn_options());
   }
+}
+
+// Two processes started with the same RANK: one of them is told so at the rendezvous, the other
+// and rank 0 go on as a group of two. Before, the stray failed in the shm group's construction
+// with a misleading error about hosts and /dev/shm.
+TEST(Spawn, ARankStartedTwiceIsToldSoAndTheOthersGoOn) {
+  const std::string told = fmt::format("/tmp/tandem_twice_{}_{}", static_cast<long>(getpid()),
+                                       Clock::now().time_since_epoch().count());
+  spawn(3, [&](int process) {
+    InitOptions o;
+    o.timeout = 20s;
+    o.world_size = 2;
+    o.rank = std::min(process, 1);  // processes 1 and 2 both claim rank 1
+    try {
+      init_process_group(o);
+    } catch (const ValueError& e) {
+      const std::string m = e.what();
+      require(process != 0 && m.find("rank 1 was started twice: process ") != std::string::npos &&
+                  m.find("already joined as rank 1; start each rank once, with its own RANK from 0 to 1") !=
+                      std::string::npos,
+              fmt::format("process {}: unexpected message: {}", process, m));
+      std::ofstream(told, std::ios::app) << process << "\n";
+      return;
+    }
+    check_sum_on_default_group(1000);
+    // Rank 0 hosts the store: stay until the stray has been told (it may start late on a busy
+    // machine, when a finished job would leave it no store to connect to).
+    const auto deadline = Clock::now() + 20s;
+    while (!std::filesystem::exists(told) && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    destroy_process_group();
+  }, spawn_options());
+  std::ifstream in(told);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  EXPECT_EQ(lines, 1) << "processes told they were started twice";
+  std::remove(told.c_str());
+}
+
+// A file:// store used a second time (PyTorch, too, requires a new, empty file for every init):
+// the keys it kept from the first group, whose processes and shared memory are gone, would send
+// the ranks into the backend's construction with dead peers' names. Now each rank stops at the
+// rendezvous saying the store was used before (same process) or left by a run that has exited.
+TEST(Spawn, AFileStoreUsedAgainIsNamedAtTheRendezvous) {
+  const std::string path = fmt::format("/tmp/tandem_file_reinit_{}_{}", static_cast<long>(getpid()),
+                                       Clock::now().time_since_epoch().count());
+  auto init = [&] {
+    InitOptions o;
+    o.init_method = "file://" + path;
+    o.timeout = 20s;
+    init_process_group(o);
+  };
+  spawn(2, [&](int rank) {
+    init();
+    check_sum_on_default_group(4099);
+    destroy_process_group();
+    try {
+      init();
+      require(false, fmt::format("rank {}: init over the used file returned", rank));
+    } catch (const ValueError& e) {
+      const std::string m = e.what();
+      require(m.find("this process already joined this store as rank") != std::string::npos &&
+                  m.find("a new, empty file for file://") != std::string::npos,
+              fmt::format("rank {}: unexpected message: {}", rank, m));
+    }
+  }, spawn_options());
+  // Other processes over the file the first ones left.
+  spawn(2, [&](int rank) {
+    try {
+      init();
+      require(false, fmt::format("rank {}: init over the left file returned", rank));
+    } catch (const ValueError& e) {
+      const std::string m = e.what();
+      require(m.find(fmt::format("the store already holds rank {}'s key from process ", rank)) != std::string::npos &&
+                  m.find("which has exited: the store was left by an earlier run") != std::string::npos,
+              fmt::format("rank {}: unexpected message: {}", rank, m));
+    }
+  }, spawn_options());
+  std::remove(path.c_str());
 }
 
 // The backend-agnostic sweep (tests/dist/collective_sweep.h, written for the mpi backend) over

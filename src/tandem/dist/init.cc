@@ -2,6 +2,7 @@
 // (torchrun, OpenMPI, Slurm), the rendezvous store of init_method (env://, tcp://, file://), the
 // default group and its subgroups, and the backend factory by name.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <random>
 #include <thread>
 
 #include <fmt/ranges.h>
@@ -151,11 +153,41 @@ std::vector<int> missing_ranks(Store& store, const std::vector<std::string>& key
   return missing;
 }
 
-// The world size in a rendezvous key's value ("<pid> <world size>").
+// A rendezvous key's value: "<pid> <world size> <nonce> <host>". The nonce tells this call's
+// announcement from an equal one an earlier call of the same process left in the store.
+std::string announcement(int size) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::random_device rd;
+  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                         static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  return fmt::format("{} {} {:016x} {}", static_cast<long>(getpid()), size, nonce, host);
+}
+
+// The world size in an announcement.
 int announced_world_size(const Bytes& value) {
   const std::string v = to_string(value);
   const size_t space = v.find(' ');
   return space == std::string::npos ? -1 : std::atoi(v.c_str() + space + 1);
+}
+
+// An announcement's pid and host.
+struct Announcer {
+  long pid = -1;
+  std::string host;
+};
+Announcer announcer(const std::string& v) {
+  size_t at = 0;
+  for (int field = 0; field < 3 && at != std::string::npos; ++field) at = v.find(' ', at + (field > 0 ? 1 : 0));
+  if (at == std::string::npos) return {};
+  return {std::atol(v.c_str()), v.substr(at + 1)};
+}
+
+// "process <pid> on <host>" from an announcement.
+std::string announced_process(const Bytes& value) {
+  const std::string v = to_string(value);
+  const Announcer a = announcer(v);
+  return a.pid < 0 ? fmt::format("a process (\"{}\")", v) : fmt::format("process {} on {}", a.pid, a.host);
 }
 
 // Every rank announces itself (its pid and the world size it was started with) and waits for the
@@ -167,7 +199,7 @@ int announced_world_size(const Bytes& value) {
 // 0's key before rank 0 can see its key and leave with the store).
 void rendezvous(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout) {
   const std::vector<std::string> keys = rank_keys(prefix + "/rank", size);
-  const std::string mine = fmt::format("{} {}", static_cast<long>(getpid()), size);
+  const std::string mine = announcement(size);
   const auto deadline = Clock::now() + timeout;
   auto disagree = [&](int other, int theirs) {
     return ValueError(fmt::format(
@@ -217,13 +249,39 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
       }
     }
   };
+  // A rank's key is set once. Finding it set already means a second process started with the same
+  // RANK, or a store that an earlier group used (a file:// path used again, or left by a run that
+  // crashed): before, one of the two processes trained while the other failed in the backend's
+  // construction, or the stale keys sent every rank into that construction with dead peers' names.
+  auto announce = [&] {
+    const std::string& key = keys[static_cast<size_t>(rank)];
+    const Bytes got = store.compare_set(key, {}, to_bytes(mine));
+    if (to_string(got) == mine) return;
+    const Announcer them = announcer(to_string(got)), me = announcer(mine);
+    const char* fresh_store =
+        "give every init_process_group a store of its own: a new, empty file for file:// (as in PyTorch), or another "
+        "group_name";
+    TANDEM_CHECK(them.pid != me.pid || them.host != me.host, ValueError,
+                 "init_process_group: this process already joined this store as rank {} (an earlier "
+                 "init_process_group over the same store); {}",
+                 rank, fresh_store);
+    TANDEM_CHECK(them.host != me.host || them.pid <= 0 || ::kill(static_cast<pid_t>(them.pid), 0) == 0 || errno != ESRCH,
+                 ValueError,
+                 "init_process_group: the store already holds rank {}'s key from {}, which has exited: the store "
+                 "was left by an earlier run; {}",
+                 rank, announced_process(got), fresh_store);
+    throw ValueError(fmt::format(
+        "init_process_group: rank {} was started twice: {} already joined as rank {}; start each rank once, with its "
+        "own RANK from 0 to {} (WORLD_SIZE - 1)",
+        rank, announced_process(got), rank, size - 1));
+  };
   if (rank != 0) {
     wait_for({keys[0]});
     const int theirs = announced_world_size(store.get(keys[0]));
-    store.set(keys[static_cast<size_t>(rank)], mine);  // rank 0 learns of the disagreement from it
+    announce();  // rank 0 learns of a world size disagreement from it
     if (theirs != size) throw disagree(0, theirs);
   } else {
-    store.set(keys[0], mine);
+    announce();
   }
   wait_for(keys);
 }
