@@ -319,6 +319,29 @@ TEST(Spawn, RanksWithDifferentWorldSizesStopAtTheRendezvousNamingBoth) {
   }
 }
 
+// Ranks that ask for different backends stop at the rendezvous naming both, where before each
+// waited the whole timeout inside its own backend's construction for keys the other never set.
+TEST(Spawn, RanksWithDifferentBackendsStopAtTheRendezvousNamingBoth) {
+  if (!backend_available("gloo")) GTEST_SKIP() << "built without gloo";
+  spawn(2, [](int rank) {
+    InitOptions o;
+    o.timeout = 20s;
+    o.backend = rank == 0 ? "shm" : "gloo";
+    const auto t0 = Clock::now();
+    try {
+      init_process_group(o);
+      require(false, fmt::format("rank {}: init_process_group returned", rank));
+    } catch (const ValueError& e) {
+      const std::string m = e.what();
+      const std::string want = rank == 0 ? "the ranks disagree on the backend: rank 0 asked for \"shm\", rank 1 for \"gloo\""
+                                         : "the ranks disagree on the backend: rank 1 asked for \"gloo\", rank 0 for \"shm\"";
+      require(m.find(want) != std::string::npos && m.find("pass the same backend on every rank") != std::string::npos,
+              fmt::format("rank {}: unexpected message: {}", rank, m));
+    }
+    require(Clock::now() - t0 < 5s, fmt::format("rank {}: took longer than 5 s", rank));
+  }, spawn_options());
+}
+
 // Two processes started with the same RANK: one of them is told so at the rendezvous, the other
 // and rank 0 go on as a group of two. Before, the stray failed in the shm group's construction
 // with a misleading error about hosts and /dev/shm.

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include <fmt/ranges.h>
@@ -153,64 +154,59 @@ std::vector<int> missing_ranks(Store& store, const std::vector<std::string>& key
   return missing;
 }
 
-// A rendezvous key's value: "<pid> <world size> <nonce> <host>". The nonce tells this call's
-// announcement from an equal one an earlier call of the same process left in the store.
-std::string announcement(int size) {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  std::random_device rd;
-  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-                         static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  return fmt::format("{} {} {:016x} {}", static_cast<long>(getpid()), size, nonce, host);
-}
-
-// The world size in an announcement.
-int announced_world_size(const Bytes& value) {
-  const std::string v = to_string(value);
-  const size_t space = v.find(' ');
-  return space == std::string::npos ? -1 : std::atoi(v.c_str() + space + 1);
-}
-
-// An announcement's pid and host.
-struct Announcer {
+// What a rank announces at the rendezvous, as its key's value "<pid> <world size> <backend>
+// <nonce> <host>". The nonce tells this call's announcement from an equal one that an earlier call
+// of the same process left in the store.
+struct Announcement {
   long pid = -1;
-  std::string host;
+  int world_size = -1;
+  std::string backend, nonce, host;
+
+  static Announcement mine(int world_size, const std::string& backend) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    std::random_device rd;
+    const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                           static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+    return {static_cast<long>(getpid()), world_size, backend, fmt::format("{:016x}", nonce), host};
+  }
+  static Announcement parse(const Bytes& value) {
+    std::istringstream in(to_string(value));
+    Announcement a;
+    in >> a.pid >> a.world_size >> a.backend >> a.nonce >> a.host;
+    return in ? a : Announcement{};
+  }
+  std::string text() const { return fmt::format("{} {} {} {} {}", pid, world_size, backend, nonce, host); }
+  std::string process() const { return fmt::format("process {} on {}", pid, host); }
 };
-Announcer announcer(const std::string& v) {
-  size_t at = 0;
-  for (int field = 0; field < 3 && at != std::string::npos; ++field) at = v.find(' ', at + (field > 0 ? 1 : 0));
-  if (at == std::string::npos) return {};
-  return {std::atol(v.c_str()), v.substr(at + 1)};
-}
 
-// "process <pid> on <host>" from an announcement.
-std::string announced_process(const Bytes& value) {
-  const std::string v = to_string(value);
-  const Announcer a = announcer(v);
-  return a.pid < 0 ? fmt::format("a process (\"{}\")", v) : fmt::format("process {} on {}", a.pid, a.host);
-}
-
-// Every rank announces itself (its pid and the world size it was started with) and waits for the
-// others; a missing rank is named, also when the store itself goes away meanwhile (rank 0, its
-// host, gave up first). A rank started with another world size would wait for ranks that never
-// come, or leave the others waiting in the backend's construction; so every other rank reads rank
-// 0's world size before announcing its own, and rank 0 reads each rank's as it arrives: both sides
-// of a disagreement stop at once with an error naming the two sizes (the other rank has read rank
-// 0's key before rank 0 can see its key and leave with the store).
-void rendezvous(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout) {
+// Every rank announces itself (pid, host, and the world size and backend it was started with) and
+// waits for the others; a missing rank is named, also when the store itself goes away meanwhile
+// (rank 0, its host, gave up first). A rank started with another world size or backend would wait
+// for ranks that never come, or leave the others waiting in the backend's construction; so every
+// other rank reads rank 0's announcement before making its own, and rank 0 reads each rank's as it
+// arrives: both sides of a disagreement stop at once with an error naming both values (the other
+// rank has read rank 0's key before rank 0 can see its key and leave with the store).
+void rendezvous(Store& store, const std::string& prefix, int rank, int size, const std::string& backend,
+                std::chrono::milliseconds timeout) {
   const std::vector<std::string> keys = rank_keys(prefix + "/rank", size);
-  const std::string mine = announcement(size);
+  const Announcement me = Announcement::mine(size, backend);
   const auto deadline = Clock::now() + timeout;
-  auto disagree = [&](int other, int theirs) {
-    return ValueError(fmt::format(
-        "init_process_group: the ranks disagree on the world size: rank {} was started with {}, rank {} with {}; "
-        "start every rank with the same WORLD_SIZE (or InitOptions::world_size)",
-        rank, size, other, theirs));
+  // Throws when `them` (rank `other`'s announcement) disagrees with this rank's.
+  auto compare = [&](int other, const Announcement& them) {
+    TANDEM_CHECK(them.world_size == me.world_size, ValueError,
+                 "init_process_group: the ranks disagree on the world size: rank {} was started with {}, rank {} "
+                 "with {}; start every rank with the same WORLD_SIZE (or InitOptions::world_size)",
+                 rank, me.world_size, other, them.world_size);
+    TANDEM_CHECK(them.backend == me.backend, ValueError,
+                 "init_process_group: the ranks disagree on the backend: rank {} asked for \"{}\", rank {} for "
+                 "\"{}\"; pass the same backend on every rank",
+                 rank, me.backend, other, them.backend);
   };
-  std::vector<bool> compared(keys.size(), false);  // rank 0: whose world size it has read
+  std::vector<bool> compared(keys.size(), false);  // rank 0: whose announcement it has read
   compared[0] = true;
   std::vector<int> missing;
-  // Waits in slices until every key of `wanted` is in the store (rank 0 reading the world sizes
+  // Waits in slices until every key of `wanted` is in the store (rank 0 reading the announcements
   // of the ranks that arrived meanwhile), or throws naming the ranks still missing.
   auto wait_for = [&](const std::vector<std::string>& wanted) {
     for (;;) {
@@ -228,9 +224,8 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
         if (rank == 0) {
           for (size_t r = 1; r < keys.size(); ++r) {
             if (compared[r] || std::find(missing.begin(), missing.end(), static_cast<int>(r)) != missing.end()) continue;
-            const int theirs = announced_world_size(store.get(keys[r]));
             compared[r] = true;
-            if (theirs != size) throw disagree(static_cast<int>(r), theirs);
+            compare(static_cast<int>(r), Announcement::parse(store.get(keys[r])));
           }
         }
       } catch (const CommError& e) {
@@ -255,9 +250,9 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
   // construction, or the stale keys sent every rank into that construction with dead peers' names.
   auto announce = [&] {
     const std::string& key = keys[static_cast<size_t>(rank)];
-    const Bytes got = store.compare_set(key, {}, to_bytes(mine));
-    if (to_string(got) == mine) return;
-    const Announcer them = announcer(to_string(got)), me = announcer(mine);
+    const Bytes got = store.compare_set(key, {}, to_bytes(me.text()));
+    if (to_string(got) == me.text()) return;
+    const Announcement them = Announcement::parse(got);
     const char* fresh_store =
         "give every init_process_group a store of its own: a new, empty file for file:// (as in PyTorch), or another "
         "group_name";
@@ -269,17 +264,17 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, std
                  ValueError,
                  "init_process_group: the store already holds rank {}'s key from {}, which has exited: the store "
                  "was left by an earlier run; {}",
-                 rank, announced_process(got), fresh_store);
+                 rank, them.process(), fresh_store);
     throw ValueError(fmt::format(
         "init_process_group: rank {} was started twice: {} already joined as rank {}; start each rank once, with its "
         "own RANK from 0 to {} (WORLD_SIZE - 1)",
-        rank, announced_process(got), rank, size - 1));
+        rank, them.process(), rank, size - 1));
   };
   if (rank != 0) {
     wait_for({keys[0]});
-    const int theirs = announced_world_size(store.get(keys[0]));
-    announce();  // rank 0 learns of a world size disagreement from it
-    if (theirs != size) throw disagree(0, theirs);
+    const Announcement zero = Announcement::parse(store.get(keys[0]));
+    announce();  // rank 0 learns of a disagreement from it
+    compare(0, zero);
   } else {
     announce();
   }
@@ -398,9 +393,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                "or pass InitOptions::world_size");
   TANDEM_CHECK(rank < world_size, ValueError, "rank {} is not below the world size {}", rank, world_size);
   TANDEM_CHECK(options.timeout.count() > 0, ValueError, "init_process_group: timeout must be positive");
+  TANDEM_CHECK(options.backend == "shm" || options.backend == "mpi" || options.backend == "gloo" ||
+                   options.backend == "nccl",
+               ValueError, "unknown process-group backend '{}': expected shm, mpi, gloo or nccl", options.backend);
   std::shared_ptr<Store> store = options.store ? options.store : store_from_init_method(options, rank, world_size);
   const std::string name = options.group_name.empty() ? "default_pg" : options.group_name;
-  rendezvous(*store, name + "/init", rank, world_size, options.timeout);
+  rendezvous(*store, name + "/init", rank, world_size, options.backend, options.timeout);
   auto pg_store = std::make_shared<PrefixStore>(name, store);
   ProcessGroupOptions pgo;
   pgo.timeout = options.timeout;
@@ -463,7 +461,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   const int sub_rank = static_cast<int>(it - sorted.begin());
   const std::string backend = s.backend;
   lock.unlock();
-  rendezvous(*store, name + "/init", sub_rank, static_cast<int>(sorted.size()), timeout);
+  rendezvous(*store, name + "/init", sub_rank, static_cast<int>(sorted.size()), backend, timeout);
   ProcessGroupOptions pgo;
   pgo.timeout = timeout;
   auto sub = make_process_group(backend, std::make_shared<PrefixStore>(name, store), sub_rank,
