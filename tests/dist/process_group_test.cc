@@ -187,6 +187,35 @@ TEST(InitProcessGroup, WorldOfOneWithAStore) {
   EXPECT_FALSE(is_initialized());
 }
 
+// A store that already holds this rank's rendezvous key: reused by this very process (a second
+// group over the same store), or written by something that is not this version's rendezvous. An
+// unknown backend fails before the rendezvous.
+TEST(InitProcessGroup, AStoreUsedBeforeAndAnUnknownBackendAreNamed) {
+  InitOptions o;
+  o.store = std::make_shared<HashStore>(5s);
+  o.rank = 0;
+  o.world_size = 1;
+  init_process_group(o);
+  destroy_process_group();
+  std::string m = init_error(o);
+  EXPECT_NE(m.find("this process already joined this store as rank 0 (an earlier init_process_group over the same "
+                   "store); give every init_process_group a store of its own"),
+            std::string::npos)
+      << m;
+  o.store = std::make_shared<HashStore>(5s);
+  o.store->set("default_pg/init/rank/0", "12345");
+  m = init_error(o);
+  EXPECT_NE(m.find("already holds rank 0's key, written by something else than this version's rendezvous "
+                   "(\"12345\")"),
+            std::string::npos)
+      << m;
+  o.store = std::make_shared<HashStore>(5s);
+  o.backend = "SHM";
+  m = init_error(o);
+  EXPECT_NE(m.find("unknown process-group backend 'SHM': expected shm, mpi, gloo or nccl"), std::string::npos) << m;
+  EXPECT_FALSE(o.store->check({"default_pg/init/rank/0"}));  // it never reached the rendezvous
+}
+
 // ---- real processes ----
 
 SpawnOptions spawn_options(std::chrono::milliseconds timeout = 60s) {

@@ -256,11 +256,15 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
     const char* fresh_store =
         "give every init_process_group a store of its own: a new, empty file for file:// (as in PyTorch), or another "
         "group_name";
+    TANDEM_CHECK(them.pid >= 0, ValueError,
+                 "init_process_group: the store already holds rank {}'s key, written by something else than this "
+                 "version's rendezvous (\"{}\"): the store was used before; {}",
+                 rank, to_string(got), fresh_store);
     TANDEM_CHECK(them.pid != me.pid || them.host != me.host, ValueError,
                  "init_process_group: this process already joined this store as rank {} (an earlier "
                  "init_process_group over the same store); {}",
                  rank, fresh_store);
-    TANDEM_CHECK(them.host != me.host || them.pid <= 0 || ::kill(static_cast<pid_t>(them.pid), 0) == 0 || errno != ESRCH,
+    TANDEM_CHECK(them.host != me.host || ::kill(static_cast<pid_t>(them.pid), 0) == 0 || errno != ESRCH,
                  ValueError,
                  "init_process_group: the store already holds rank {}'s key from {}, which has exited: the store "
                  "was left by an earlier run; {}",

@@ -198,7 +198,10 @@ LaunchEnv read_launch_env();
 // Creates the default group (once; a second call throws ValueError) and returns it. A missing
 // variable is an error naming it and how to set it. The rank that hosts the TCPStore (rank 0
 // unless a launcher hosts it) returns only once every rank has built the group, so it may leave
-// at once without cutting a slower rank off the store; new_group likewise.
+// at once without cutting a slower rank off the store; new_group likewise. At the rendezvous every
+// rank compares its world size and backend with rank 0's (a disagreement stops both sides at once,
+// naming both values), and a rank's key is set once: a second process with the same RANK, or a
+// store an earlier group used (a file:// path used again), is a ValueError saying which.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 bool is_initialized();
 // The default group; throws ValueError when init_process_group has not been called.
