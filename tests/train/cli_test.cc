@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -656,6 +657,32 @@ TEST(TrainCli, RanksWithDifferentConfigsStopAtStartNamingTheKey) {
   EXPECT_NE(run(per_rank + " --set seed=$((RANK / 2))'", &out), 0);
   EXPECT_NE(out.find("(rank 2 differs from rank 0): \"seed\" is 0 on rank 0 and 1 on rank 2"), std::string::npos) << out;
   EXPECT_EQ(out.find("collective mismatch"), std::string::npos) << out;
+}
+
+// data.path may differ per rank (node-local copies), but the data must not: ranks reading other
+// files stop at start-up naming the dataset, what differs and both paths; identical copies train.
+TEST(TrainCli, RanksReadingDifferentDataStopAtStartNamingThePaths) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 2, 0);
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "line " + std::to_string(i) + " of a small corpus for the data check\n";
+  std::ofstream(dir.path() + "/copy0.txt") << text;
+  std::ofstream(dir.path() + "/copy1.txt") << text;
+  std::string other = text;  // the same size, other bytes everywhere (another version of the file)
+  for (char& c : other) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  std::ofstream(dir.path() + "/other.txt") << text;
+  std::ofstream(dir.path() + "/other1.txt") << other;
+  const std::string launch = kCli + " run --nproc-per-node 2 sh -c 'exec " + kCli + " train --config " + cfg +
+                             " --out " + dir.path() + "/r$RANK --set log.progress=none --set data.path=" + dir.path();
+  std::string out;
+  ASSERT_EQ(run(launch + "/copy$RANK.txt'", &out), 0) << out;
+  // The same number of examples, other contents: told by the sampled examples.
+  EXPECT_NE(run(launch + "/other$(test $RANK = 1 && echo 1).txt'", &out), 0);
+  EXPECT_NE(out.find("the training data differs across ranks (rank 1 differs from rank 0): 48 examples on both, but "
+                     "sampled examples differ between rank 0 and rank 1; data.path is \"" +
+                     dir.path() + "/other.txt\" on rank 0 and \"" + dir.path() + "/other1.txt\" on rank 1"),
+            std::string::npos)
+      << out;
 }
 
 TEST(TrainCli, ArgumentAndConfigErrors) {

@@ -374,6 +374,55 @@ void check_same_config(dist::ProcessGroup& pg, const Config& cfg) {
       "data.path, data.num_workers, train.threads, dist.timeout_s and log.progress"));
 }
 
+// A dataset's size and a checksum of up to 16 of its examples, spread over it (their fields'
+// shapes, dtypes and bytes), at the cost of 16 reads: it tells another dataset or another version
+// of its files, not a difference that none of the 16 examples covers.
+std::pair<int64_t, int64_t> data_fingerprint(const data::Dataset& d) {
+  const int64_t n = d.size();
+  uint64_t h = fnv1a(&n, sizeof(n));
+  const int64_t samples = std::min<int64_t>(n, 16);
+  for (int64_t k = 0; k < samples; ++k) {
+    const data::Example e = d.get(samples == n ? k : k * (n - 1) / (samples - 1));
+    for (const Tensor& f : e) {
+      const Tensor c = f.contiguous();
+      h = fnv1a(c.shape().data(), c.shape().size() * sizeof(int64_t), h);
+      const auto dt = static_cast<int>(c.dtype());
+      h = fnv1a(&dt, sizeof(dt), h);
+      h = checksum64(c.data_ptr(), c.nbytes(), h);
+    }
+  }
+  return {n, static_cast<int64_t>(h)};
+}
+
+// Collective: every rank must read the same training and evaluation data as rank 0 (data.path
+// may differ per rank: node-local copies of the same files). Otherwise every rank throws the same
+// error naming the dataset, the sizes (or that the sizes agree but the contents do not) and the
+// paths.
+void check_same_data(dist::ProcessGroup& pg, const Config& cfg, const Data& data) {
+  const auto [train_n, train_h] = data_fingerprint(*data.train);
+  const auto [eval_n, eval_h] = data_fingerprint(*data.eval);
+  const auto all = dist::all_gather_i64(pg, {train_n, train_h, eval_n, eval_h});
+  for (size_t k : {size_t{0}, size_t{2}}) {
+    std::vector<int> differ;
+    for (int r = 1; r < pg.size(); ++r) {
+      if (all[r][k] != all[0][k] || all[r][k + 1] != all[0][k + 1]) differ.push_back(r);
+    }
+    if (differ.empty()) continue;
+    const int first = differ.front();
+    const std::string path0 = dist::broadcast_string(pg, cfg.data.path, 0);
+    const std::string path_r = dist::broadcast_string(pg, cfg.data.path, first);
+    auto where = [](const std::string& path) { return path.empty() ? std::string("the built-in default") : "\"" + path + "\""; };
+    const std::string what =
+        all[first][k] != all[0][k]
+            ? fmt::format("{} examples on rank 0, {} on rank {}", all[0][k], all[first][k], first)
+            : fmt::format("{} examples on both, but sampled examples differ between rank 0 and rank {}", all[0][k], first);
+    throw ValueError(fmt::format(
+        "train: the {} data differs across ranks ({} from rank 0): {}; data.path is {} on rank 0 and {} on rank {}. "
+        "Every rank must read the same data: a node-local copy must hold the same files",
+        k == 0 ? "training" : "evaluation", dist::ranks_differ(differ), what, where(path0), where(path_r), first));
+  }
+}
+
 }  // namespace
 
 TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
@@ -403,6 +452,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
 
   // ---- data: each rank its DistributedSampler share, micro-batches of train_micro_batch_size_per_gpu ----
   const Data data = make_data(cfg);
+  if (pg && pg->size() > 1) check_same_data(*pg, cfg, data);
   data::DistributedSampler sampler(data.train->size(),
                                    {.num_replicas = world,
                                     .rank = rank,
