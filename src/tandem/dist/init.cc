@@ -271,7 +271,8 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
                  rank, them.process(), fresh_store);
     throw ValueError(fmt::format(
         "init_process_group: rank {} was started twice: {} already joined as rank {}; start each rank once, with its "
-        "own RANK from 0 to {} (WORLD_SIZE - 1)",
+        "own RANK from 0 to {} (WORLD_SIZE - 1). (Or this process reached another job's store: give each job on a "
+        "machine its own MASTER_PORT.)",
         rank, them.process(), rank, size - 1));
   };
   if (rank != 0) {
