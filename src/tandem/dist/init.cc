@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -123,6 +124,8 @@ std::shared_ptr<ProcessGroup> make_process_group(const std::string& backend, std
 
 namespace {
 
+struct Announcement;
+
 struct GroupState {
   std::mutex mu;
   std::shared_ptr<ProcessGroup> default_pg;
@@ -131,6 +134,7 @@ struct GroupState {
   std::string group_name;
   std::vector<std::weak_ptr<ProcessGroup>> subgroups;
   int64_t next_subgroup = 0;
+  std::vector<Announcement> announced;  // the default group's rendezvous, as this rank read it
 };
 
 GroupState& state() {
@@ -154,13 +158,23 @@ std::vector<int> missing_ranks(Store& store, const std::vector<std::string>& key
   return missing;
 }
 
+// Where a pid names one process: this boot of the machine (its boot id) and this pid namespace.
+// Two processes with the same scope and host can check each other's pid with kill(pid, 0).
+std::string pid_scope() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  return fmt::format("{},{}", boot.empty() ? "-" : boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : "-");
+}
+
 // What a rank announces at the rendezvous, as its key's value "<pid> <world size> <backend>
-// <nonce> <host>". The nonce tells this call's announcement from an equal one that an earlier call
-// of the same process left in the store.
+// <nonce> <pid scope> <host>". The nonce tells this call's announcement from an equal one that an
+// earlier call of the same process left in the store.
 struct Announcement {
   long pid = -1;
   int world_size = -1;
-  std::string backend, nonce, host;
+  std::string backend, nonce, scope, host;
 
   static Announcement mine(int world_size, const std::string& backend) {
     char host[256] = {};
@@ -168,16 +182,20 @@ struct Announcement {
     std::random_device rd;
     const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
                            static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-    return {static_cast<long>(getpid()), world_size, backend, fmt::format("{:016x}", nonce), host};
+    return {static_cast<long>(getpid()), world_size, backend, fmt::format("{:016x}", nonce), pid_scope(), host};
   }
   static Announcement parse(const Bytes& value) {
     std::istringstream in(to_string(value));
     Announcement a;
-    in >> a.pid >> a.world_size >> a.backend >> a.nonce >> a.host;
+    in >> a.pid >> a.world_size >> a.backend >> a.nonce >> a.scope >> a.host;
     return in ? a : Announcement{};
   }
-  std::string text() const { return fmt::format("{} {} {} {} {}", pid, world_size, backend, nonce, host); }
+  std::string text() const { return fmt::format("{} {} {} {} {} {}", pid, world_size, backend, nonce, scope, host); }
   std::string process() const { return fmt::format("process {} on {}", pid, host); }
+  // Whether `other` is a process this one can check by pid.
+  bool same_pids(const Announcement& other) const { return other.scope == scope && other.host == host; }
+  // Whether this announcer, a process that same_pids() with the caller, has exited.
+  bool exited() const { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH; }
 };
 
 // Every rank announces itself (pid, host, and the world size and backend it was started with) and
@@ -187,8 +205,10 @@ struct Announcement {
 // other rank reads rank 0's announcement before making its own, and rank 0 reads each rank's as it
 // arrives: both sides of a disagreement stop at once with an error naming both values (the other
 // rank has read rank 0's key before rank 0 can see its key and leave with the store).
-void rendezvous(Store& store, const std::string& prefix, int rank, int size, const std::string& backend,
-                std::chrono::milliseconds timeout) {
+// Returns the announcements this rank read, by rank: rank 0 has every rank's, another rank only
+// rank 0's (the rest default: pid -1).
+std::vector<Announcement> rendezvous(Store& store, const std::string& prefix, int rank, int size,
+                                     const std::string& backend, std::chrono::milliseconds timeout) {
   const std::vector<std::string> keys = rank_keys(prefix + "/rank", size);
   const Announcement me = Announcement::mine(size, backend);
   const auto deadline = Clock::now() + timeout;
@@ -203,6 +223,7 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
                  "\"{}\"; pass the same backend on every rank",
                  rank, me.backend, other, them.backend);
   };
+  std::vector<Announcement> read(keys.size());
   std::vector<bool> compared(keys.size(), false);  // rank 0: whose announcement it has read
   compared[0] = true;
   std::vector<int> missing;
@@ -225,7 +246,8 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
           for (size_t r = 1; r < keys.size(); ++r) {
             if (compared[r] || std::find(missing.begin(), missing.end(), static_cast<int>(r)) != missing.end()) continue;
             compared[r] = true;
-            compare(static_cast<int>(r), Announcement::parse(store.get(keys[r])));
+            read[r] = Announcement::parse(store.get(keys[r]));
+            compare(static_cast<int>(r), read[r]);
           }
         }
       } catch (const CommError& e) {
@@ -260,12 +282,11 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
                  "init_process_group: the store already holds rank {}'s key, written by something else than this "
                  "version's rendezvous (\"{}\"): the store was used before; {}",
                  rank, to_string(got), fresh_store);
-    TANDEM_CHECK(them.pid != me.pid || them.host != me.host, ValueError,
+    TANDEM_CHECK(them.pid != me.pid || !them.same_pids(me), ValueError,
                  "init_process_group: this process already joined this store as rank {} (an earlier "
                  "init_process_group over the same store); {}",
                  rank, fresh_store);
-    TANDEM_CHECK(them.host != me.host || ::kill(static_cast<pid_t>(them.pid), 0) == 0 || errno != ESRCH,
-                 ValueError,
+    TANDEM_CHECK(!them.same_pids(me) || !them.exited(), ValueError,
                  "init_process_group: the store already holds rank {}'s key from {}, which has exited: the store "
                  "was left by an earlier run; {}",
                  rank, them.process(), fresh_store);
@@ -277,13 +298,15 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
   };
   if (rank != 0) {
     wait_for({keys[0]});
-    const Announcement zero = Announcement::parse(store.get(keys[0]));
+    read[0] = Announcement::parse(store.get(keys[0]));
     announce();  // rank 0 learns of a disagreement from it
-    compare(0, zero);
+    compare(0, read[0]);
   } else {
     announce();
+    read[0] = me;
   }
   wait_for(keys);
+  return read;
 }
 
 // The process hosting a TCPStore (rank 0 without a launcher) must not leave while another rank
@@ -291,21 +314,42 @@ void rendezvous(Store& store, const std::string& prefix, int rank, int size, con
 // building a group. After its part of building group `prefix`, every rank sets a key (the reply to
 // that set is the last one it needs: the server answers a set before waking the waiters of its
 // key); the host returns only when every rank has. Ranks of a FileStore skip this. `what` names
-// the call in a timeout's message, `rule` (if any) follows it.
+// the call in a timeout's message, `rule` (if any) follows it. `ranks` (the host's: every rank's
+// rendezvous announcement) lets the host tell a rank that exited on its machine within a 250 ms
+// slice, instead of waiting for it until the timeout.
 void release_store_host(Store& store, const std::string& prefix, int rank, int size, std::chrono::milliseconds timeout,
-                        const char* what, const char* rule = "") {
+                        const std::vector<Announcement>& ranks, const char* what, const char* rule = "") {
   auto* tcp = dynamic_cast<TCPStore*>(&store);
   if (tcp == nullptr) return;
   const std::vector<std::string> keys = rank_keys(prefix + "/built", size);
   store.set(keys[static_cast<size_t>(rank)], "1");
   if (!tcp->is_master()) return;
-  try {
-    store.wait(keys, timeout);
-  } catch (const Timeout&) {
-    const std::vector<int> missing = missing_ranks(store, keys);
-    throw Timeout(fmt::format("{}: rank(s) {} of {} did not finish building the group within {} ms (rank {}, which "
-                              "hosts the store, waited for them){}",
-                              what, fmt::join(missing, ", "), size, timeout.count(), rank, rule));
+  const Announcement me = Announcement::mine(size, "");
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
+      return;
+    } catch (const Timeout&) {
+      const std::vector<int> missing = missing_ranks(store, keys);
+      std::vector<std::string> exited;
+      for (int r : missing) {
+        const Announcement* a = static_cast<size_t>(r) < ranks.size() ? &ranks[static_cast<size_t>(r)] : nullptr;
+        if (a != nullptr && a->same_pids(me) && a->exited()) {
+          exited.push_back(fmt::format("rank {} ({})", r, a->process()));
+        }
+      }
+      if (!exited.empty()) {
+        throw CommError(fmt::format("{}: {} exited before finishing building the group (rank {}, which hosts the store, "
+                                    "waited for it); its log says why{}",
+                                    what, fmt::join(exited, ", "), rank, rule));
+      }
+      if (Clock::now() < deadline) continue;
+      throw Timeout(fmt::format("{}: rank(s) {} of {} did not finish building the group within {} ms (rank {}, which "
+                                "hosts the store, waited for them){}",
+                                what, fmt::join(missing, ", "), size, timeout.count(), rank, rule));
+    }
   }
 }
 
@@ -403,15 +447,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                ValueError, "unknown process-group backend '{}': expected shm, mpi, gloo or nccl", options.backend);
   std::shared_ptr<Store> store = options.store ? options.store : store_from_init_method(options, rank, world_size);
   const std::string name = options.group_name.empty() ? "default_pg" : options.group_name;
-  rendezvous(*store, name + "/init", rank, world_size, options.backend, options.timeout);
+  std::vector<Announcement> announced =
+      rendezvous(*store, name + "/init", rank, world_size, options.backend, options.timeout);
   auto pg_store = std::make_shared<PrefixStore>(name, store);
   ProcessGroupOptions pgo;
   pgo.timeout = options.timeout;
   s.default_pg = make_process_group(options.backend, pg_store, rank, world_size, pgo);
-  release_store_host(*store, name, rank, world_size, options.timeout, "init_process_group");
+  release_store_host(*store, name, rank, world_size, options.timeout, announced, "init_process_group");
   s.store = store;
   s.backend = options.backend;
   s.group_name = name;
+  s.announced = std::move(announced);
   s.next_subgroup = 0;
   return s.default_pg;
 }
@@ -456,11 +502,12 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   const int64_t id = s.next_subgroup++;
   const std::string name = fmt::format("{}/sub{}", s.group_name, id);
   auto store = s.store;
+  const std::vector<Announcement> announced = s.announced;
   auto it = std::find(sorted.begin(), sorted.end(), pg->rank());
   if (it == sorted.end()) {
     // Not a member; the store's host still waits here until the members have built the group.
     lock.unlock();
-    release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group", kNewGroupRule);
+    release_store_host(*store, name, pg->rank(), pg->size(), timeout, announced, "new_group", kNewGroupRule);
     return nullptr;
   }
   const int sub_rank = static_cast<int>(it - sorted.begin());
@@ -471,7 +518,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, std::chro
   pgo.timeout = timeout;
   auto sub = make_process_group(backend, std::make_shared<PrefixStore>(name, store), sub_rank,
                                 static_cast<int>(sorted.size()), pgo);
-  release_store_host(*store, name, pg->rank(), pg->size(), timeout, "new_group", kNewGroupRule);
+  release_store_host(*store, name, pg->rank(), pg->size(), timeout, announced, "new_group", kNewGroupRule);
   lock.lock();
   s.subgroups.push_back(sub);
   return sub;
@@ -500,6 +547,7 @@ void destroy_process_group() {
     pg = std::move(s.default_pg);
     store = std::move(s.store);
     s.subgroups.clear();
+    s.announced.clear();
     s.default_pg = nullptr;
   }
   // pg and store go here, outside the lock: the last reference destroys the group.
