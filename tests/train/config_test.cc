@@ -495,9 +495,9 @@ TEST(Config, SharedConfigLinesCoverEveryKeyButTheRankLocalOnes) {
     const std::string key = line.substr(0, line.find(" = "));
     EXPECT_FALSE(is_rank_local_key(key)) << line;
   }
-  for (const char* k : {"data.path", "data.num_workers", "train.threads", "dist.timeout_s", "log.progress"}) {
-    EXPECT_TRUE(is_rank_local_key(k)) << k;
-  }
+  EXPECT_EQ(rank_local_keys(),
+            (std::vector<std::string>{"data.path", "data.num_workers", "train.threads", "dist.timeout_s", "log.progress"}));
+  for (const std::string& k : rank_local_keys()) EXPECT_TRUE(is_rank_local_key(k)) << k;
   EXPECT_FALSE(is_rank_local_key("data.name"));
   EXPECT_FALSE(is_rank_local_key("dist.backend"));
 

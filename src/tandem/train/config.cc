@@ -707,10 +707,14 @@ Config parse_config(const nlohmann::json& j, int world_size) {
   return c;
 }
 
+const std::vector<std::string>& rank_local_keys() {
+  static const std::vector<std::string> keys = {"data.path", "data.num_workers", "train.threads", "dist.timeout_s",
+                                                "log.progress"};
+  return keys;
+}
+
 bool is_rank_local_key(const std::string& key) {
-  static const char* const kRankLocal[] = {"data.path", "data.num_workers", "train.threads", "dist.timeout_s",
-                                           "log.progress"};
-  return std::any_of(std::begin(kRankLocal), std::end(kRankLocal), [&](const char* k) { return key == k; });
+  return std::find(rank_local_keys().begin(), rank_local_keys().end(), key) != rank_local_keys().end();
 }
 
 namespace {

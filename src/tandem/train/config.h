@@ -196,6 +196,7 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 // copies), its loader workers and compute threads, its store timeout, its progress display. Every
 // other key decides what the ranks compute together, so they must agree on it.
 bool is_rank_local_key(const std::string& key);
+const std::vector<std::string>& rank_local_keys();
 
 // What the ranks of one training job must agree on: one line per key of the table that is not
 // rank-local, in the table's order, "key = value" or "key = unset" (not given, or null). Numbers

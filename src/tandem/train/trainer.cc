@@ -16,6 +16,8 @@
 #include <optional>
 #include <sstream>
 
+#include <fmt/ranges.h>
+
 #include "tandem/amp/autocast.h"
 #include "tandem/amp/grad_scaler.h"
 #include "tandem/amp/initialize.h"
@@ -371,7 +373,7 @@ void check_same_config(dist::ProcessGroup& pg, const Config& cfg) {
       "must train with the same config (only {} may differ per rank); launch every rank with the same --config and "
       "--set arguments",
       dist::ranks_differ(differ), l0.substr(0, eq0), l0.substr(eq0 + 3), l_r.substr(eq_r + 3), first,
-      "data.path, data.num_workers, train.threads, dist.timeout_s and log.progress"));
+      fmt::join(rank_local_keys(), ", ")));
 }
 
 // A dataset's size and a checksum of up to 16 of its examples, spread over it (their fields'
