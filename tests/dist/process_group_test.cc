@@ -384,6 +384,33 @@ TEST(Spawn, RanksWithDifferentBackendsStopAtTheRendezvousNamingBoth) {
   }, spawn_options());
 }
 
+// A rank that never calls init_process_group is named by every rank's rendezvous timeout, and
+// only it: the ranks waiting for rank 0 (a rank reads rank 0's announcement before its own) are
+// not counted as missing. file:// keeps the store up without rank 0.
+TEST(Spawn, TheRendezvousTimeoutNamesOnlyTheRankThatNeverCame) {
+  for (int absent : {0, 2}) {
+    SCOPED_TRACE(absent);
+    const std::string path = fmt::format("/tmp/tandem_absent_{}_{}", static_cast<long>(getpid()),
+                                         Clock::now().time_since_epoch().count());
+    spawn(3, [&](int rank) {
+      if (rank == absent) return;
+      InitOptions o;
+      o.init_method = "file://" + path;
+      o.timeout = 1500ms;
+      try {
+        init_process_group(o);
+        require(false, fmt::format("rank {}: init_process_group returned", rank));
+      } catch (const Timeout& e) {
+        const std::string m = e.what();
+        require(m.find(fmt::format("rank(s) {} of 3 did not join the rendezvous within 1500 ms (rank {} waited)",
+                                   absent, rank)) != std::string::npos,
+                fmt::format("rank {}: unexpected message: {}", rank, m));
+      }
+    }, spawn_options());
+    std::remove(path.c_str());
+  }
+}
+
 // Two processes started with the same RANK: one of them is told so at the rendezvous, the other
 // and rank 0 go on as a group of two. Before, the stray failed in the shm group's construction
 // with a misleading error about hosts and /dev/shm.

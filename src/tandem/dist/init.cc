@@ -239,8 +239,9 @@ std::vector<Announcement> rendezvous(Store& store, const std::string& prefix, in
           done = true;
           missing.clear();
         } catch (const Timeout&) {
-          missing = missing_ranks(store, keys);
-          std::erase(missing, rank);  // (before it announces itself, a rank's own key is missing too)
+          // Before it announces itself, a rank waits for rank 0 alone (the other ranks may be
+          // waiting for rank 0 too, unannounced): only rank 0 is missing then.
+          missing = wanted.size() == keys.size() ? missing_ranks(store, keys) : std::vector<int>{0};
         }
         if (rank == 0) {
           for (size_t r = 1; r < keys.size(); ++r) {
