@@ -2,7 +2,8 @@
 // checkpoints first), and resumed with --resume auto (bitwise equal to the uninterrupted run), on two processes under `tandem run` (resume bitwise,
 // and a loss curve that matches the one-process run on the same global batch; the same with the
 // PowerSGD hook, whose state the checkpoints carry), W2 with SyncBatchNorm against BatchNorm on
-// the global batch, and its argument and config errors.
+// the global batch, its argument and config errors, and ranks started with different configs or
+// data (stopped at start-up, naming the difference).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
