@@ -182,7 +182,9 @@ struct Announcement {
     std::random_device rd;
     const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
                            static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-    return {static_cast<long>(getpid()), world_size, backend, fmt::format("{:016x}", nonce), pid_scope(), host};
+    // Every field is one word, never empty (parse() reads them by whitespace).
+    return {static_cast<long>(getpid()), world_size, backend.empty() ? "-" : backend, fmt::format("{:016x}", nonce),
+            pid_scope(), host[0] != '\0' ? host : "-"};
   }
   static Announcement parse(const Bytes& value) {
     std::istringstream in(to_string(value));
