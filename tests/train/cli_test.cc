@@ -2,8 +2,8 @@
 // checkpoints first), and resumed with --resume auto (bitwise equal to the uninterrupted run), on two processes under `tandem run` (resume bitwise,
 // and a loss curve that matches the one-process run on the same global batch; the same with the
 // PowerSGD hook, whose state the checkpoints carry), W2 with SyncBatchNorm against BatchNorm on
-// the global batch, its argument and config errors, and ranks started with different configs or
-// data (stopped at start-up, naming the difference).
+// the global batch, its argument and config errors, and ranks started with different configs,
+// data or checkpoints (stopped at start-up, naming the difference).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -684,6 +684,27 @@ TEST(TrainCli, RanksReadingDifferentDataStopAtStartNamingThePaths) {
                      dir.path() + "/other.txt\" on rank 0 and \"" + dir.path() + "/other1.txt\" on rank 1"),
             std::string::npos)
       << out;
+}
+
+// --resume auto resolved per rank in a directory only that rank sees (node-local --out): rank 0
+// finds its checkpoint, rank 1 none. Before, rank 0 trained from step 4 and rank 1 from step 0, rank
+// 0 saved a step-6 checkpoint out of that mixture and left, and rank 1 failed with "rank 0 died".
+// Now both stop at start-up naming both starts, and nothing new is saved.
+TEST(TrainCli, RanksResumingFromDifferentCheckpointsStopAtStart) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 4, 2);
+  const std::string launch = kCli + " run --nproc-per-node 2 sh -c 'exec " + kCli + " train --config " + cfg +
+                             " --out " + dir.path() + "/r$RANK --set log.progress=none";
+  std::string out;
+  ASSERT_EQ(run(launch + "'", &out), 0) << out;
+  ASSERT_TRUE(fs::exists(dir.path() + "/r0/checkpoints/step_00000004")) << out;
+  ASSERT_FALSE(fs::exists(dir.path() + "/r1/checkpoints")) << out;  // rank 0 writes the checkpoints
+  EXPECT_NE(run(launch + " --set train.steps=6 --resume auto'", &out), 0);
+  EXPECT_NE(out.find("the ranks start from different checkpoints (rank 1 differs from rank 0): rank 0 resumes from " +
+                     dir.path() + "/r0/checkpoints/step_00000004 at step 4, rank 1 starts fresh (no checkpoint)"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(fs::exists(dir.path() + "/r0/checkpoints/step_00000006")) << out;
 }
 
 TEST(TrainCli, ArgumentAndConfigErrors) {

@@ -425,6 +425,30 @@ void check_same_data(dist::ProcessGroup& pg, const Config& cfg, const Data& data
   }
 }
 
+// Collective: every rank must start from the same step (the same checkpoint, or none): a rank
+// that resolves --resume auto in another directory (a node-local --out) or gets another --resume
+// DIR would otherwise train other steps than the others, with other optimizer state, and fail with
+// a collective mismatch only at the end. Every rank throws the same error naming both starts.
+void check_same_start(dist::ProcessGroup& pg, const std::string& resumed_from, int64_t step) {
+  const auto all = dist::all_gather_i64(pg, {resumed_from.empty() ? -1 : step});
+  std::vector<int> differ;
+  for (int r = 1; r < pg.size(); ++r) {
+    if (all[r][0] != all[0][0]) differ.push_back(r);
+  }
+  if (differ.empty()) return;
+  const int first = differ.front();
+  const std::string from0 = dist::broadcast_string(pg, resumed_from, 0);
+  const std::string from_r = dist::broadcast_string(pg, resumed_from, first);
+  auto start = [](const std::string& from, int64_t at) {
+    return from.empty() ? std::string("starts fresh (no checkpoint)") : fmt::format("resumes from {} at step {}", from, at);
+  };
+  throw ValueError(fmt::format(
+      "train: the ranks start from different checkpoints ({} from rank 0): rank 0 {}, rank {} {}. Every rank must "
+      "resume from the same checkpoint: give every rank the same --out on a filesystem they all see, or the same "
+      "--resume DIR",
+      dist::ranks_differ(differ), start(from0, all[0][0]), first, start(from_r, all[first][0])));
+}
+
 }  // namespace
 
 TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
@@ -579,6 +603,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     }
   }
   if (resumed_from.empty()) schedule.set_last_step(0);
+  if (pg && pg->size() > 1) check_same_start(*pg, resumed_from, step);
 
   // ---- outputs (rank 0) ----
   std::unique_ptr<JsonlWriter> jsonl;
