@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "tandem/dist/process_group.h"
 
@@ -21,6 +22,11 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store> store, int 
 // NCCL (TANDEM_WITH_CUDA): CUDA buffers only.
 std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<Store> store, int rank, int size,
                                               ProcessGroupOptions options);
+
+// Where a pid names one process, with the hostname: this boot of the machine (its boot id) and
+// this pid namespace, "<boot id>,<pid namespace>" (one word). Two processes with the same hostname
+// and scope can check each other's pid with kill(pid, 0).
+std::string pid_scope();
 
 // Whether a backend was compiled in ("shm" always is).
 bool backend_available(const std::string& name);

@@ -22,7 +22,6 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store>, int, int, 
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -66,11 +65,7 @@ class GlooStore final : public gloo::rendezvous::Store {
 std::string host_identity() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  char ns[128] = {};
-  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
-  return fmt::format("{} {} {}", host, boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string());
+  return fmt::format("{} {}", host, pid_scope());
 }
 
 template <class T>

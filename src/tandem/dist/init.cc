@@ -158,14 +158,16 @@ std::vector<int> missing_ranks(Store& store, const std::vector<std::string>& key
   return missing;
 }
 
-// Where a pid names one process: this boot of the machine (its boot id) and this pid namespace.
-// Two processes with the same scope and host can check each other's pid with kill(pid, 0).
-std::string pid_scope() {
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  char ns[128] = {};
-  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
-  return fmt::format("{},{}", boot.empty() ? "-" : boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : "-");
+// Waits for every key of `keys` for one slice of at most 250 ms (less when `deadline` is nearer):
+// whether they are all there. Waits that check something between slices are loops over it.
+bool wait_slice(Store& store, const std::vector<std::string>& keys, Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  try {
+    store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
+    return true;
+  } catch (const Timeout&) {
+    return false;
+  }
 }
 
 // What a rank announces at the rendezvous, as its key's value "<pid> <world size> <backend>
@@ -233,18 +235,13 @@ std::vector<Announcement> rendezvous(Store& store, const std::string& prefix, in
   // of the ranks that arrived meanwhile), or throws naming the ranks still missing.
   auto wait_for = [&](const std::vector<std::string>& wanted) {
     for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       bool done = false;
       try {
-        try {
-          store.wait(wanted, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
-          done = true;
-          missing.clear();
-        } catch (const Timeout&) {
-          // Before it announces itself, a rank waits for rank 0 alone (the other ranks may be
-          // waiting for rank 0 too, unannounced): only rank 0 is missing then.
-          missing = wanted.size() == keys.size() ? missing_ranks(store, keys) : std::vector<int>{0};
-        }
+        done = wait_slice(store, wanted, deadline);
+        // Before it announces itself, a rank waits for rank 0 alone (the other ranks may be
+        // waiting for rank 0 too, unannounced): only rank 0 is missing then.
+        missing = done ? std::vector<int>{}
+                       : wanted.size() == keys.size() ? missing_ranks(store, keys) : std::vector<int>{0};
         if (rank == 0) {
           for (size_t r = 1; r < keys.size(); ++r) {
             if (compared[r] || std::find(missing.begin(), missing.end(), static_cast<int>(r)) != missing.end()) continue;
@@ -327,28 +324,25 @@ void release_store_host(Store& store, const std::string& prefix, int rank, int s
   const std::vector<std::string> keys = rank_keys(prefix + "/built", size);
   store.set(keys[static_cast<size_t>(rank)], "1");
   if (!tcp->is_master()) return;
-  const Announcement me = Announcement::mine(size, "");
   const auto deadline = Clock::now() + timeout;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    try {
-      store.wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(250))));
-      return;
-    } catch (const Timeout&) {
-      const std::vector<int> missing = missing_ranks(store, keys);
-      std::vector<std::string> exited;
+  while (!wait_slice(store, keys, deadline)) {
+    const std::vector<int> missing = missing_ranks(store, keys);
+    std::vector<std::string> exited;
+    if (static_cast<size_t>(rank) < ranks.size()) {
+      const Announcement& me = ranks[static_cast<size_t>(rank)];  // (pid -1 where the host is not rank 0)
       for (int r : missing) {
         const Announcement* a = static_cast<size_t>(r) < ranks.size() ? &ranks[static_cast<size_t>(r)] : nullptr;
-        if (a != nullptr && a->same_pids(me) && a->exited()) {
+        if (me.pid > 0 && a != nullptr && a->same_pids(me) && a->exited()) {
           exited.push_back(fmt::format("rank {} ({})", r, a->process()));
         }
       }
-      if (!exited.empty()) {
-        throw CommError(fmt::format("{}: {} exited before finishing building the group (rank {}, which hosts the store, "
-                                    "waited for it); its log says why{}",
-                                    what, fmt::join(exited, ", "), rank, rule));
-      }
-      if (Clock::now() < deadline) continue;
+    }
+    if (!exited.empty()) {
+      throw CommError(fmt::format("{}: {} exited before finishing building the group (rank {}, which hosts the store, "
+                                  "waited for it); its log says why{}",
+                                  what, fmt::join(exited, ", "), rank, rule));
+    }
+    if (Clock::now() >= deadline) {
       throw Timeout(fmt::format("{}: rank(s) {} of {} did not finish building the group within {} ms (rank {}, which "
                                 "hosts the store, waited for them){}",
                                 what, fmt::join(missing, ", "), size, timeout.count(), rank, rule));
@@ -561,6 +555,14 @@ void barrier() { default_group()->barrier()->wait(); }
 }  // namespace tandem::dist
 
 namespace tandem::dist {
+
+std::string pid_scope() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  return fmt::format("{},{}", boot.empty() ? "-" : boot, n > 0 ? std::string(ns, static_cast<size_t>(n)) : "-");
+}
 
 bool backend_available(const std::string& name) {
   if (name == "shm") return true;

@@ -3,9 +3,12 @@
 
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include "tandem/core/hash.h"
 
 namespace tandem::dist {
 
@@ -51,6 +54,39 @@ std::vector<std::vector<int64_t>> all_gather_i64(ProcessGroup& group, const std:
     result[r].assign(out.data_ptr<int64_t>() + r * n, out.data_ptr<int64_t>() + (r + 1) * n);
   }
   return result;
+}
+
+std::vector<LinesDifference> differences_from_rank0(ProcessGroup& group,
+                                                    const std::vector<std::vector<std::string>>& lists) {
+  std::vector<std::string> texts;
+  std::vector<int64_t> hashes;
+  for (const auto& lines : lists) {
+    std::string text;
+    for (const std::string& l : lines) text += l + "\n";
+    hashes.push_back(static_cast<int64_t>(fnv1a(text.data(), text.size())));
+    texts.push_back(std::move(text));
+  }
+  const auto all = all_gather_i64(group, hashes);
+  auto split = [](const std::string& text) {
+    std::vector<std::string> lines;
+    std::istringstream in(text);
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    return lines;
+  };
+  std::vector<LinesDifference> out(lists.size());
+  for (size_t k = 0; k < lists.size(); ++k) {
+    LinesDifference& d = out[k];
+    for (int r = 1; r < group.size(); ++r) {
+      if (all[r][k] != all[0][k]) d.ranks.push_back(r);
+    }
+    if (d.ranks.empty()) continue;
+    const auto lines0 = split(broadcast_string(group, texts[k], 0));
+    const auto lines_r = split(broadcast_string(group, texts[k], d.ranks.front()));
+    while (d.line < lines0.size() && d.line < lines_r.size() && lines0[d.line] == lines_r[d.line]) ++d.line;
+    if (d.line < lines0.size()) d.at0 = lines0[d.line];
+    if (d.line < lines_r.size()) d.at_first = lines_r[d.line];
+  }
+  return out;
 }
 
 std::string ranks_differ(const std::vector<int>& ranks) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,17 @@ void print_rank0(const std::string& line);
 std::string broadcast_string(ProcessGroup& group, const std::string& mine, int root);
 // Collective: every rank's `mine` (the same length on every rank): result[r][i] is rank r's i-th.
 std::vector<std::vector<int64_t>> all_gather_i64(ProcessGroup& group, const std::vector<int64_t>& mine);
+// Where one rank's list of lines (a model's description, a config) first differs from rank 0's.
+struct LinesDifference {
+  std::vector<int> ranks;       // the ranks whose list differs from rank 0's; empty: all agree
+  size_t line = 0;              // the first line where rank 0's and ranks.front()'s lists part
+  std::optional<std::string> at0, at_first;  // that line on each side (nullopt: that list ended)
+};
+// Collective: compares each list of `lists` (as many lists on every rank) with rank 0's, all in one
+// gather of hashes; only a list that differs somewhere costs two broadcasts more (rank 0's and the
+// first differing rank's text). Every rank gets the same result, so all can throw the same error.
+std::vector<LinesDifference> differences_from_rank0(ProcessGroup& group,
+                                                    const std::vector<std::vector<std::string>>& lists);
 // "rank 2 differs" / "ranks 1, 3 differ": the subject of an error about ranks that disagree.
 std::string ranks_differ(const std::vector<int>& ranks);
 

@@ -51,24 +51,6 @@ std::vector<std::string> describe(const DDPOptions& o) {
           fmt::format("params_and_buffers_to_ignore=[{}]", fmt::join(ignored, ", "))};
 }
 
-std::string join_lines(const std::vector<std::string>& lines) {
-  std::string s;
-  for (const auto& l : lines) s += l + "\n";
-  return s;
-}
-
-std::vector<std::string> split_lines(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start < s.size()) {
-    size_t end = s.find('\n', start);
-    if (end == std::string::npos) end = s.size();
-    out.push_back(s.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
-
 // join's throw_on_early_termination error, after `what` happened.
 ValueError early_termination(const std::string& what) {
   return ValueError(fmt::format(
@@ -151,7 +133,7 @@ std::vector<Tensor> DistributedDataParallel::synced_states() const {
 }
 
 void DistributedDataParallel::check_same_model() {
-  const std::string options_text = join_lines(describe(options_));
+  const std::vector<std::string> options_lines = describe(options_);
   std::vector<std::string> model_lines =
       describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers()));
   // Whether each BatchNorm synchronizes its statistics: a model converted on some ranks only
@@ -164,42 +146,24 @@ void DistributedDataParallel::check_same_model() {
                                                         : "this rank's statistics (BatchNorm)"));
     }
   }
-  const std::string model_text = join_lines(model_lines);
   // One gather settles both; the (rare) disagreement costs a few broadcasts more to explain.
-  const auto hashes = dist::all_gather_i64(*group_, {static_cast<int64_t>(fnv1a(options_text.data(), options_text.size())),
-                                               static_cast<int64_t>(fnv1a(model_text.data(), model_text.size()))});
-  // The ranks whose k-th hash differs from rank 0's, the first of them, and the first line where
-  // its text and rank 0's part (every rank computes the same, so all throw the same error).
-  struct Difference {
-    std::vector<int> ranks;
-    size_t line = 0;
-    std::string at0, at_r;
+  const auto diffs = dist::differences_from_rank0(*group_, {options_lines, model_lines});
+  auto side = [](const std::optional<std::string>& line, int rank, const char* what) {
+    return line ? *line : fmt::format("(nothing: rank {} has fewer {})", rank, what);
   };
-  auto difference = [&](size_t k, const std::string& text, const char* what) {
-    Difference d;
-    for (int r = 1; r < group_->size(); ++r) {
-      if (hashes[r][k] != hashes[0][k]) d.ranks.push_back(r);
-    }
-    if (d.ranks.empty()) return d;
-    const int first = d.ranks.front();
-    const auto lines0 = split_lines(dist::broadcast_string(*group_, text, 0));
-    const auto lines_r = split_lines(dist::broadcast_string(*group_, text, first));
-    while (d.line < lines0.size() && d.line < lines_r.size() && lines0[d.line] == lines_r[d.line]) ++d.line;
-    d.at0 = d.line < lines0.size() ? lines0[d.line] : fmt::format("(nothing: rank 0 has fewer {})", what);
-    d.at_r = d.line < lines_r.size() ? lines_r[d.line] : fmt::format("(nothing: rank {} has fewer {})", first, what);
-    return d;
-  };
-  if (const Difference d = difference(0, options_text, "options"); !d.ranks.empty()) {
+  if (const dist::LinesDifference& d = diffs[0]; !d.ranks.empty()) {
     throw ValueError(fmt::format(
         "DistributedDataParallel: the options differ across ranks ({} from rank 0): rank 0 has {}, rank {} "
         "has {}. Pass the same DDPOptions on every rank (they decide which collectives each rank issues)",
-        dist::ranks_differ(d.ranks), d.at0, d.ranks.front(), d.at_r));
+        dist::ranks_differ(d.ranks), side(d.at0, 0, "options"), d.ranks.front(),
+        side(d.at_first, d.ranks.front(), "options")));
   }
-  if (const Difference d = difference(1, model_text, "items"); !d.ranks.empty()) {
+  if (const dist::LinesDifference& d = diffs[1]; !d.ranks.empty()) {
     throw ValueError(fmt::format(
         "DistributedDataParallel: the model differs across ranks ({} from rank 0). First difference, "
         "item #{}: rank 0 has {}, rank {} has {}. Build the same model on every rank before wrapping it",
-        dist::ranks_differ(d.ranks), d.line, d.at0, d.ranks.front(), d.at_r));
+        dist::ranks_differ(d.ranks), d.line, side(d.at0, 0, "items"), d.ranks.front(),
+        side(d.at_first, d.ranks.front(), "items")));
   }
 }
 

@@ -14,7 +14,6 @@
 #include <memory>
 #include <numeric>
 #include <optional>
-#include <sstream>
 
 #include <fmt/ranges.h>
 
@@ -349,30 +348,19 @@ namespace {
 // Collective: every rank's config must equal rank 0's but for the rank-local keys; otherwise every
 // rank throws the same error naming the first key that differs, its two values and the ranks.
 void check_same_config(dist::ProcessGroup& pg, const Config& cfg) {
-  std::string text;
-  for (const std::string& line : shared_config_lines(cfg.source)) text += line + "\n";
-  const auto hashes = dist::all_gather_i64(pg, {static_cast<int64_t>(fnv1a(text.data(), text.size()))});
-  std::vector<int> differ;
-  for (int r = 1; r < pg.size(); ++r) {
-    if (hashes[r][0] != hashes[0][0]) differ.push_back(r);
-  }
-  if (differ.empty()) return;
-  const int first = differ.front();
-  const std::string text0 = dist::broadcast_string(pg, text, 0), text_r = dist::broadcast_string(pg, text, first);
-  std::istringstream s0(text0), s_r(text_r);
-  std::string l0, l_r;
-  while (std::getline(s0, l0) && std::getline(s_r, l_r) && l0 == l_r) {
-  }
+  const dist::LinesDifference d = dist::differences_from_rank0(pg, {shared_config_lines(cfg.source)})[0];
+  if (d.ranks.empty()) return;
   // Lines are "key = value", one per key of the same table on every rank.
+  const std::string l0 = d.at0.value_or(""), l_r = d.at_first.value_or("");
   const size_t eq0 = l0.find(" = "), eq_r = l_r.find(" = ");
   TANDEM_CHECK(eq0 != std::string::npos && eq_r != std::string::npos, Error,
                "train: the config differs across ranks ({} from rank 0), but no line differs (\"{}\" vs \"{}\")",
-               dist::ranks_differ(differ), l0, l_r);
+               dist::ranks_differ(d.ranks), l0, l_r);
   throw ValueError(fmt::format(
       "train: the config differs across ranks ({} from rank 0): \"{}\" is {} on rank 0 and {} on rank {}. Every rank "
       "must train with the same config (only {} may differ per rank); launch every rank with the same --config and "
       "--set arguments",
-      dist::ranks_differ(differ), l0.substr(0, eq0), l0.substr(eq0 + 3), l_r.substr(eq_r + 3), first,
+      dist::ranks_differ(d.ranks), l0.substr(0, eq0), l0.substr(eq0 + 3), l_r.substr(eq_r + 3), d.ranks.front(),
       fmt::join(rank_local_keys(), ", ")));
 }
 
