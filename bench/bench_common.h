@@ -9,11 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <immintrin.h>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "tandem/kernels/cpu/core_peak.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/tandem.h"
 
@@ -188,62 +188,11 @@ inline void print_phases(const std::string& name, const std::string& dtype, cons
   std::fflush(stdout);
 }
 
-// This core's f32 multiply-add peak, measured: 12 independent chains of 512-bit FMAs (AVX-512F)
-// or 256-bit ones (AVX2+FMA), enough to cover the FMA latency on current x86 cores, for ~0.1 s;
-// the best of 3 runs, in GFLOP/s (2 flops per lane per FMA). The yardstick for how close the f32
-// GEMM time of a step is to what the core can do at all (--phases). 0 without FMA.
-// The timed loop of one ISA: V the accumulator type, SET1 its broadcast, FMA(acc, a, b) the
-// multiply-add, A the multiplicand type and MAKE_A its broadcast from a float, FLOPS the flops per
-// instruction. The chains live in an array whose loops are fully unrolled, so they stay in registers.
-#define TANDEM_FMA_PEAK_BODY(V, SET1, FMA, A, MAKE_A, FLOPS)                                 \
-  constexpr int kChains = 12;                                                                \
-  const A a = MAKE_A(0.999f), b = MAKE_A(1e-3f);                                             \
-  double best = 0;                                                                           \
-  float sink = 0;                                                                            \
-  for (int rep = 0; rep < 3; ++rep) {                                                        \
-    V v[kChains];                                                                            \
-    _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) v[c] = SET1(1.0f + 1e-3f * c); \
-    const int64_t n = 2'000'000;                                                             \
-    const auto t0 = Clock::now();                                                            \
-    for (int64_t i = 0; i < n; ++i) {                                                        \
-      _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) v[c] = FMA(v[c], a, b);     \
-    }                                                                                        \
-    const double s = seconds_since(t0);                                                      \
-    _Pragma("GCC unroll 12") for (int c = 0; c < kChains; ++c) sink += v[c][0];              \
-    best = std::max(best, (FLOPS) * kChains * static_cast<double>(n) / s / 1e9);             \
-  }                                                                                          \
-  return sink == 0.12345f ? 0 : best; /* uses the chains, so they are not optimised away */
-
-__attribute__((target("avx512f"))) inline __m512 fma512(__m512 acc, __m512 a, __m512 b) {
-  return _mm512_fmadd_ps(a, b, acc);
-}
-__attribute__((target("avx2,fma"))) inline __m256 fma256(__m256 acc, __m256 a, __m256 b) {
-  return _mm256_fmadd_ps(a, b, acc);
-}
-__attribute__((target("avx512f"))) inline double fma_peak_avx512() {
-  TANDEM_FMA_PEAK_BODY(__m512, _mm512_set1_ps, fma512, __m512, _mm512_set1_ps, 2 * 16)
-}
-__attribute__((target("avx2,fma"))) inline double fma_peak_avx2() {
-  TANDEM_FMA_PEAK_BODY(__m256, _mm256_set1_ps, fma256, __m256, _mm256_set1_ps, 2 * 8)
-}
-// VDPBF16PS: 16 f32 lanes, each adding two bf16 x bf16 products (4 flops per lane).
-__attribute__((target("avx512f,avx512bf16"))) inline __m512bh bf16_pairs(float x) {
-  return _mm512_cvtne2ps_pbh(_mm512_set1_ps(x), _mm512_set1_ps(x));
-}
-__attribute__((target("avx512f,avx512bf16"))) inline __m512 dpbf16(__m512 acc, __m512bh a, __m512bh b) {
-  return _mm512_dpbf16_ps(acc, a, b);
-}
-__attribute__((target("avx512f,avx512bf16"))) inline double dpbf16_peak_avx512() {
-  TANDEM_FMA_PEAK_BODY(__m512, _mm512_set1_ps, dpbf16, __m512bh, bf16_pairs, 4 * 16)
-}
-#undef TANDEM_FMA_PEAK_BODY
-
+// This core's f32 multiply-add peak, measured (kernels/cpu/core_peak.h) for ~0.1 s, the best of
+// 3 runs, in GFLOP/s: the yardstick for how close the f32 GEMM time of a step is to what the core
+// can do at all (--phases). 0 without FMA.
 inline double f32_fma_peak_gflops() {
-  static const double peak = [] {
-    if (__builtin_cpu_supports("avx512f")) return fma_peak_avx512();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return fma_peak_avx2();
-    return 0.0;
-  }();
+  static const double peak = kernels::measure_f32_fma_gflops(2'000'000, 3);
   return peak;
 }
 
@@ -252,10 +201,7 @@ inline double f32_fma_peak_gflops() {
 // has no AVX512-BF16, and where it has AMX-BF16: there the bf16 products run on the tiles, whose
 // peak this does not measure.
 inline double bf16_dot_peak_gflops() {
-  static const double peak = [] {
-    if (cpu_features().amx_bf16 || !cpu_features().avx512_bf16) return 0.0;
-    return dpbf16_peak_avx512();
-  }();
+  static const double peak = cpu_features().amx_bf16 ? 0.0 : kernels::measure_bf16_dot_gflops(2'000'000, 3);
   return peak;
 }
 

@@ -5,11 +5,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <thread>
 
 #include "tandem/core/cpu_features.h"
 #include "tandem/dist/backends.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tools/commands.h"
 
 namespace tandem::tools {
@@ -37,6 +39,14 @@ int env_main(int argc, char** argv) {
   std::printf("  avx512_bf16      %s\n", yes(f.avx512_bf16));
   std::printf("  amx_bf16         %s\n", yes(f.amx_bf16));
   std::printf("  avx512_fp16      %s\n", yes(f.avx512_fp16));
+  try {
+    const kernels::Bf16Products bp = kernels::bf16_products();
+    std::printf("  bf16 products    %s (%s)\n", kernels::bf16_products_name(bp), kernels::bf16_products_reason().c_str());
+  } catch (const std::exception& e) {  // an unknown TANDEM_BF16_GEMM
+    std::fflush(stdout);
+    std::fprintf(stderr, "tandem env: %s\n", e.what());
+    return 2;
+  }
   std::printf("  cores online     %ld\n", sysconf(_SC_NPROCESSORS_ONLN));
   std::printf("  cores allowed    %d (this process's affinity mask)\n", allowed);
   std::printf("\nbuild options\n");

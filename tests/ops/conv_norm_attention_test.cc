@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "ops/ops_test_util.h"
 #include "util/test_util.h"
 
 namespace tandem {
@@ -433,47 +434,49 @@ TEST(ConvPrecision, F32OneDnnMatchesF64Loops) {
 // gradient of a bf16 conv with C*KH*KW >= 64 runs as GEMMs over im2col blocks of output pixels
 // ("4x16x32x32" has 4096 pixels: more than one block); the 1-channel stem stays on oneDNN.
 TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
-  struct Cfg {
-    const char* name;
-    ops::Conv2dOptions o;
-    int64_t N, C, O, H, W, K;
-  };
-  const std::vector<Cfg> cfgs = {
-      {"4x16x32x32 3x3 pad1", {.padding = {1, 1}}, 4, 16, 40, 32, 32, 3},
-      {"stride2 dilation2 pad2", {.stride = {2, 2}, .padding = {2, 2}, .dilation = {2, 2}}, 3, 32, 32, 13, 14, 3},
-      {"stride(2,1) 5x5", {.stride = {2, 1}, .padding = {2, 1}}, 2, 8, 12, 11, 9, 5},
-      {"1-channel stem", {.padding = {1, 1}}, 4, 1, 32, 12, 12, 3},
-  };
-  uint64_t seed = 1800;
-  for (const Cfg& c : cfgs) {
-    SCOPED_TRACE(c.name);
-    Tensor x16 = leaf({c.N, c.C, c.H, c.W}, -1, 1, seed++, kBFloat16);
-    Tensor w16 = leaf({c.O, c.C, c.K, c.K}, -1, 1, seed++, kBFloat16);
-    Tensor b16 = leaf({c.O}, -1, 1, seed++, kBFloat16);
-    Tensor x64 = x16.detach().to(kFloat64), w64 = w16.detach().to(kFloat64), b64 = b16.detach().to(kFloat64);
-    x64.requires_grad_(true), w64.requires_grad_(true), b64.requires_grad_(true);
-    const Tensor y16 = ops::conv2d(x16, w16, b16, c.o), y64 = ops::conv2d(x64, w64, b64, c.o);
-    const Tensor gy16 = randn(y64.shape(), kFloat64, nullptr).to(kBFloat16);
-    const Tensor gy64 = gy16.to(kFloat64);
-    const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gy16.to(kFloat32)))}, {x16, w16, b16});
-    const V g64 = autograd::grad({ops::sum(ops::mul(y64, gy64))}, {x64, w64, b64});
-    for (const Tensor& g : g16) EXPECT_EQ(g.dtype(), kBFloat16);
-    Tensor ax = ops::abs(x64.detach()), aw = ops::abs(w64.detach());
-    ax.requires_grad_(true), aw.requires_grad_(true);
-    const V s_g = autograd::grad({ops::sum(ops::mul(ops::conv2d(ax, aw, Tensor(), c.o), ops::abs(gy64)))}, {ax, aw});
-    const double n_x = static_cast<double>(c.O * c.K * c.K);
-    const double n_w = static_cast<double>(c.N * y64.size(2) * y64.size(3));
-    auto bound = [](const Tensor& s, const Tensor& ref, double n) {
-      const double g = n * kU32 / (1 - n * kU32);
-      return ops::add(ops::mul(s, g), ops::mul(ops::abs(ref.detach()), kUBf16));
+  ops_test::for_each_bf16_way([&] {
+    struct Cfg {
+      const char* name;
+      ops::Conv2dOptions o;
+      int64_t N, C, O, H, W, K;
     };
-    EXPECT_TRUE(within(g16[0].to(kFloat64), g64[0], bound(s_g[0], g64[0], n_x))) << "input gradient";
-    EXPECT_TRUE(within(g16[1].to(kFloat64), g64[1], bound(s_g[1], g64[1], n_w))) << "weight gradient";
-    EXPECT_TRUE(within(g16[2].to(kFloat64), g64[2], bound(ops::sum(ops::abs(gy64), {0, 2, 3}), g64[2], n_w)))
-        << "bias gradient";
-    // Not vacuous: the weight-gradient bound is far below the values' size.
-    EXPECT_LT(ops::max(bound(s_g[1], g64[1], n_w)).item(), 0.02 * ops::max(ops::abs(g64[1])).item());
-  }
+    const std::vector<Cfg> cfgs = {
+        {"4x16x32x32 3x3 pad1", {.padding = {1, 1}}, 4, 16, 40, 32, 32, 3},
+        {"stride2 dilation2 pad2", {.stride = {2, 2}, .padding = {2, 2}, .dilation = {2, 2}}, 3, 32, 32, 13, 14, 3},
+        {"stride(2,1) 5x5", {.stride = {2, 1}, .padding = {2, 1}}, 2, 8, 12, 11, 9, 5},
+        {"1-channel stem", {.padding = {1, 1}}, 4, 1, 32, 12, 12, 3},
+    };
+    uint64_t seed = 1800;
+    for (const Cfg& c : cfgs) {
+      SCOPED_TRACE(c.name);
+      Tensor x16 = leaf({c.N, c.C, c.H, c.W}, -1, 1, seed++, kBFloat16);
+      Tensor w16 = leaf({c.O, c.C, c.K, c.K}, -1, 1, seed++, kBFloat16);
+      Tensor b16 = leaf({c.O}, -1, 1, seed++, kBFloat16);
+      Tensor x64 = x16.detach().to(kFloat64), w64 = w16.detach().to(kFloat64), b64 = b16.detach().to(kFloat64);
+      x64.requires_grad_(true), w64.requires_grad_(true), b64.requires_grad_(true);
+      const Tensor y16 = ops::conv2d(x16, w16, b16, c.o), y64 = ops::conv2d(x64, w64, b64, c.o);
+      const Tensor gy16 = randn(y64.shape(), kFloat64, nullptr).to(kBFloat16);
+      const Tensor gy64 = gy16.to(kFloat64);
+      const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gy16.to(kFloat32)))}, {x16, w16, b16});
+      const V g64 = autograd::grad({ops::sum(ops::mul(y64, gy64))}, {x64, w64, b64});
+      for (const Tensor& g : g16) EXPECT_EQ(g.dtype(), kBFloat16);
+      Tensor ax = ops::abs(x64.detach()), aw = ops::abs(w64.detach());
+      ax.requires_grad_(true), aw.requires_grad_(true);
+      const V s_g = autograd::grad({ops::sum(ops::mul(ops::conv2d(ax, aw, Tensor(), c.o), ops::abs(gy64)))}, {ax, aw});
+      const double n_x = static_cast<double>(c.O * c.K * c.K);
+      const double n_w = static_cast<double>(c.N * y64.size(2) * y64.size(3));
+      auto bound = [](const Tensor& s, const Tensor& ref, double n) {
+        const double g = n * kU32 / (1 - n * kU32);
+        return ops::add(ops::mul(s, g), ops::mul(ops::abs(ref.detach()), kUBf16));
+      };
+      EXPECT_TRUE(within(g16[0].to(kFloat64), g64[0], bound(s_g[0], g64[0], n_x))) << "input gradient";
+      EXPECT_TRUE(within(g16[1].to(kFloat64), g64[1], bound(s_g[1], g64[1], n_w))) << "weight gradient";
+      EXPECT_TRUE(within(g16[2].to(kFloat64), g64[2], bound(ops::sum(ops::abs(gy64), {0, 2, 3}), g64[2], n_w)))
+          << "bias gradient";
+      // Not vacuous: the weight-gradient bound is far below the values' size.
+      EXPECT_LT(ops::max(bound(s_g[1], g64[1], n_w)).item(), 0.02 * ops::max(ops::abs(g64[1])).item());
+    }
+  });
 }
 
 // bf16 against f32 on the same bf16-representable values (the input rounding is taken out, so
@@ -487,69 +490,71 @@ TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
 //    in its own order, converts the bias to bf16 (|b| u) and rounds the output (u |y|); the two
 //    f32 accumulations differ by at most 2 gamma_n S (S = sum |x w|, n = C*KH*KW, ~1e-5 S).
 TEST(LowPrecisionCNA, Bf16MatchesF32WithinOneRounding) {
-  auto both = [](const Shape& s, double lo, double hi, uint64_t seed) {
-    const Tensor b16 = leaf(s, lo, hi, seed, kBFloat16);
-    Tensor f32 = b16.detach().to(kFloat32);
-    f32.requires_grad_(true);
-    return std::pair<Tensor, Tensor>{b16, f32};
-  };
-  // ---- conv2d ----
-  {
-    auto [x16, x32] = both({2, 16, 10, 9}, -1, 1, 900);
-    auto [w16, w32] = both({24, 16, 3, 3}, -0.5, 0.5, 901);
-    auto [b16, b32] = both({24}, -1, 1, 902);
-    const ops::Conv2dOptions o{.stride = {1, 2}, .padding = {1, 1}};
-    const Tensor y16 = ops::conv2d(x16, w16, b16, o), y32 = ops::conv2d(x32, w32, b32, o);
-    EXPECT_EQ(y16.dtype(), kBFloat16);
-    const Tensor s = ops::conv2d(ops::abs(x32.detach()), ops::abs(w32.detach()), Tensor(), o);
-    const double n = 16 * 9 + 1;
-    const Tensor bound = ops::add(ops::add(ops::mul(ops::abs(y32.detach()), kUBf16), ops::mul(s, 2 * n * kU32)),
-                                  ops::mul(ops::abs(b32.detach()), kUBf16).view({1, 24, 1, 1}));
-    EXPECT_TRUE(within(y16.to(kFloat32), y32, bound)) << "bf16 conv2d";
-  }
-  // ---- attention, forward and backward ----
-  for (bool causal : {false, true}) {
-    SCOPED_TRACE(causal ? "causal" : "non-causal");
-    auto [q16, q32] = both({2, 3, 17, 16}, -2, 2, 910);
-    auto [k16, k32] = both({2, 3, 17, 16}, -2, 2, 911);
-    auto [v16, v32] = both({2, 3, 17, 8}, -1, 1, 912);
-    const Tensor y16 = ops::scaled_dot_product_attention(q16, k16, v16, causal);
-    const Tensor y32 = ops::scaled_dot_product_attention(q32, k32, v32, causal);
-    EXPECT_EQ(y16.dtype(), kBFloat16);
-    const Tensor gy = randn(y32.shape(), kBFloat16, nullptr);
-    const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gy.to(kFloat32)))}, {q16, k16, v16});
-    const V g32 = autograd::grad({ops::sum(ops::mul(y32, gy.to(kFloat32)))}, {q32, k32, v32});
-    const AttentionBounds b = attention_bf16_bounds(q32, k32, v32, gy, causal, y32, g32);
-    EXPECT_TRUE(within(y16.to(kFloat32), y32, b.y)) << "attention output";
-    const Tensor* bounds[3] = {&b.dq, &b.dk, &b.dv};
-    for (int i = 0; i < 3; ++i) {
-      EXPECT_EQ(g16[i].dtype(), kBFloat16);
-      EXPECT_TRUE(within(g16[i].to(kFloat32), g32[i], *bounds[i])) << "attention gradient " << i;
+  ops_test::for_each_bf16_way([&] {
+    auto both = [](const Shape& s, double lo, double hi, uint64_t seed) {
+      const Tensor b16 = leaf(s, lo, hi, seed, kBFloat16);
+      Tensor f32 = b16.detach().to(kFloat32);
+      f32.requires_grad_(true);
+      return std::pair<Tensor, Tensor>{b16, f32};
+    };
+    // ---- conv2d ----
+    {
+      auto [x16, x32] = both({2, 16, 10, 9}, -1, 1, 900);
+      auto [w16, w32] = both({24, 16, 3, 3}, -0.5, 0.5, 901);
+      auto [b16, b32] = both({24}, -1, 1, 902);
+      const ops::Conv2dOptions o{.stride = {1, 2}, .padding = {1, 1}};
+      const Tensor y16 = ops::conv2d(x16, w16, b16, o), y32 = ops::conv2d(x32, w32, b32, o);
+      EXPECT_EQ(y16.dtype(), kBFloat16);
+      const Tensor s = ops::conv2d(ops::abs(x32.detach()), ops::abs(w32.detach()), Tensor(), o);
+      const double n = 16 * 9 + 1;
+      const Tensor bound = ops::add(ops::add(ops::mul(ops::abs(y32.detach()), kUBf16), ops::mul(s, 2 * n * kU32)),
+                                    ops::mul(ops::abs(b32.detach()), kUBf16).view({1, 24, 1, 1}));
+      EXPECT_TRUE(within(y16.to(kFloat32), y32, bound)) << "bf16 conv2d";
     }
-  }
-  // ---- layer_norm ----
-  {
-    auto [x16, x32] = both({4, 7, 96}, -3, 3, 920);
-    auto [w16, w32] = both({96}, 0.5, 1.5, 921);
-    auto [b16, b32] = both({96}, -1, 1, 922);
-    const Tensor y16 = ops::layer_norm(x16, {96}, w16, b16), y32 = ops::layer_norm(x32, {96}, w32, b32);
-    EXPECT_EQ(y16.dtype(), kBFloat16);
-    EXPECT_TRUE(all_close(y16, y32, kUBf16, 0)) << "layer_norm";
-  }
-  // ---- batch_norm, training and eval, NCHW and channels-last ----
-  for (bool cl : {false, true}) {
-    SCOPED_TRACE(cl ? "channels-last" : "NCHW");
-    auto [x16, x32] = both({4, 24, 7, 6}, -2, 3, 930);
-    auto [w16, w32] = both({24}, 0.5, 1.5, 931);
-    auto [b16, b32] = both({24}, -1, 1, 932);
-    const Tensor xi16 = cl ? channels_last(x16) : x16, xi32 = cl ? channels_last(x32) : x32;
-    const Tensor y16 = ops::batch_norm(xi16, {}, {}, w16, b16, true), y32 = ops::batch_norm(xi32, {}, {}, w32, b32, true);
-    EXPECT_EQ(y16.dtype(), kBFloat16);
-    EXPECT_TRUE(all_close(y16, y32, kUBf16, 0)) << "batch_norm training";
-    const Tensor rm = leaf({24}, -0.5, 0.5, 933, kFloat32).detach(), rv = leaf({24}, 0.5, 2, 934, kFloat32).detach();
-    const Tensor e16 = ops::batch_norm(xi16, rm, rv, w16, b16, false), e32 = ops::batch_norm(xi32, rm, rv, w32, b32, false);
-    EXPECT_TRUE(all_close(e16, e32, kUBf16, 0)) << "batch_norm eval";
-  }
+    // ---- attention, forward and backward ----
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(causal ? "causal" : "non-causal");
+      auto [q16, q32] = both({2, 3, 17, 16}, -2, 2, 910);
+      auto [k16, k32] = both({2, 3, 17, 16}, -2, 2, 911);
+      auto [v16, v32] = both({2, 3, 17, 8}, -1, 1, 912);
+      const Tensor y16 = ops::scaled_dot_product_attention(q16, k16, v16, causal);
+      const Tensor y32 = ops::scaled_dot_product_attention(q32, k32, v32, causal);
+      EXPECT_EQ(y16.dtype(), kBFloat16);
+      const Tensor gy = randn(y32.shape(), kBFloat16, nullptr);
+      const V g16 = autograd::grad({ops::sum(ops::mul(y16.to(kFloat32), gy.to(kFloat32)))}, {q16, k16, v16});
+      const V g32 = autograd::grad({ops::sum(ops::mul(y32, gy.to(kFloat32)))}, {q32, k32, v32});
+      const AttentionBounds b = attention_bf16_bounds(q32, k32, v32, gy, causal, y32, g32);
+      EXPECT_TRUE(within(y16.to(kFloat32), y32, b.y)) << "attention output";
+      const Tensor* bounds[3] = {&b.dq, &b.dk, &b.dv};
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(g16[i].dtype(), kBFloat16);
+        EXPECT_TRUE(within(g16[i].to(kFloat32), g32[i], *bounds[i])) << "attention gradient " << i;
+      }
+    }
+    // ---- layer_norm ----
+    {
+      auto [x16, x32] = both({4, 7, 96}, -3, 3, 920);
+      auto [w16, w32] = both({96}, 0.5, 1.5, 921);
+      auto [b16, b32] = both({96}, -1, 1, 922);
+      const Tensor y16 = ops::layer_norm(x16, {96}, w16, b16), y32 = ops::layer_norm(x32, {96}, w32, b32);
+      EXPECT_EQ(y16.dtype(), kBFloat16);
+      EXPECT_TRUE(all_close(y16, y32, kUBf16, 0)) << "layer_norm";
+    }
+    // ---- batch_norm, training and eval, NCHW and channels-last ----
+    for (bool cl : {false, true}) {
+      SCOPED_TRACE(cl ? "channels-last" : "NCHW");
+      auto [x16, x32] = both({4, 24, 7, 6}, -2, 3, 930);
+      auto [w16, w32] = both({24}, 0.5, 1.5, 931);
+      auto [b16, b32] = both({24}, -1, 1, 932);
+      const Tensor xi16 = cl ? channels_last(x16) : x16, xi32 = cl ? channels_last(x32) : x32;
+      const Tensor y16 = ops::batch_norm(xi16, {}, {}, w16, b16, true), y32 = ops::batch_norm(xi32, {}, {}, w32, b32, true);
+      EXPECT_EQ(y16.dtype(), kBFloat16);
+      EXPECT_TRUE(all_close(y16, y32, kUBf16, 0)) << "batch_norm training";
+      const Tensor rm = leaf({24}, -0.5, 0.5, 933, kFloat32).detach(), rv = leaf({24}, 0.5, 2, 934, kFloat32).detach();
+      const Tensor e16 = ops::batch_norm(xi16, rm, rv, w16, b16, false), e32 = ops::batch_norm(xi32, rm, rv, w32, b32, false);
+      EXPECT_TRUE(all_close(e16, e32, kUBf16, 0)) << "batch_norm eval";
+    }
+  });
 }
 
 // bf16 batch_norm (with and without the fused ReLU) is the f32 op on the widened values, rounded

@@ -359,72 +359,76 @@ struct MatmulCase {
 };
 
 TEST(LowPrecision, Matmul) {
-  const Fn mm = [](const auto& v) { return ops::matmul(v[0], v[1]); };
-  const std::vector<MatmulCase> cases{
-      {"2-d", {5, 32}, {32, 3}, mm, 32},
-      {"1-d x 1-d", {32}, {32}, mm, 32},
-      {"1-d x 2-d", {32}, {32, 3}, mm, 32},
-      {"2-d x 1-d", {5, 32}, {32}, mm, 32},
-      {"batched", {3, 4, 16}, {3, 16, 5}, mm, 16},
-      {"broadcast batch", {2, 1, 3, 16}, {4, 16, 2}, mm, 16},
-      {"2-d x batched", {3, 16}, {4, 16, 2}, mm, 16},
-      {"batched x 2-d", {4, 3, 16}, {16, 2}, mm, 16},
-      {"permuted batch",
-       {3, 4, 16},
-       {4, 16, 2},
-       [](const auto& v) { return ops::matmul(v[0].transpose(0, 1), v[1]); },
-       16},
-      {"stepped slice", {5, 32}, {16, 3}, [](const auto& v) { return ops::matmul(v[0].slice(1, 0, 32, 2), v[1]); }, 16},
-      {"transposed", {32, 5}, {3, 32}, [](const auto& v) { return ops::matmul(v[0].t(), v[1].t()); }, 32},
-      {"batched transposed",
-       {3, 16, 4},
-       {3, 5, 16},
-       [](const auto& v) { return ops::matmul(v[0].transpose(1, 2), v[1].transpose(-1, -2)); },
-       16},
-  };
-  for (DType dt : kLowp) {
-    const double u = unit_roundoff(dt);
-    for (const MatmulCase& c : cases) {
-      const std::string what = label(std::string("matmul ") + c.name, dt);
-      const LowpRun r = run_lowp(c.fn, {leaf(c.a, -1, 1, 41), leaf(c.b, -1, 1, 42)}, dt);
-      expect_dtypes(r, dt, dt, what);
-      const Magnitudes m = magnitudes(c.fn, r);
-      // Forward: products of 16-bit values are exact in f32, accumulated in f32 (gamma_K
-      // (|A||B|)), rounded once: 2u|ref| + 2 K 2^-24 (|A||B|).
-      EXPECT_TRUE(within(r.y_lp, r.y_ref, 2 * u, ops::mul(m.y, 2.0 * static_cast<double>(c.k) * kF32U))) << what;
-      // Backward: G B^T and A^T G are matmuls of the same kind (inner length <= 4*3*2 = 24), then
-      // broadcast batches are summed after rounding: 2u|ref| + 2(u + 32 2^-24) M.
-      for (size_t k = 0; k < 2; ++k)
-        EXPECT_TRUE(within(r.gx_lp[k], r.gx_ref[k], 2 * u, ops::mul(m.gx[k], 2 * (u + 32 * kF32U))))
-            << what << " backward " << k;
-    }
-  }
-}
-
-TEST(LowPrecision, Linear) {
-  for (DType dt : kLowp) {
-    const double u = unit_roundoff(dt);
-    const Tensor w = leaf({6, 24}, -1, 1, 51), b = leaf({6}, -1, 1, 52);
-    for (const Shape& xs : {Shape{7, 24}, Shape{2, 3, 24}, Shape{24}}) {
-      for (bool bias : {true, false}) {
-        const std::string what = label("linear x" + shape_str(xs) + (bias ? " bias" : ""), dt);
-        const Fn fn = [bias](const auto& v) { return bias ? ops::linear(v[0], v[1], v[2]) : ops::linear(v[0], v[1]); };
-        const LowpRun r = run_lowp(
-            fn, bias ? std::vector<Tensor>{leaf(xs, -1, 1, 53), w, b} : std::vector<Tensor>{leaf(xs, -1, 1, 53), w},
-            dt);
+  ops_test::for_each_bf16_way([&] {
+    const Fn mm = [](const auto& v) { return ops::matmul(v[0], v[1]); };
+    const std::vector<MatmulCase> cases{
+        {"2-d", {5, 32}, {32, 3}, mm, 32},
+        {"1-d x 1-d", {32}, {32}, mm, 32},
+        {"1-d x 2-d", {32}, {32, 3}, mm, 32},
+        {"2-d x 1-d", {5, 32}, {32}, mm, 32},
+        {"batched", {3, 4, 16}, {3, 16, 5}, mm, 16},
+        {"broadcast batch", {2, 1, 3, 16}, {4, 16, 2}, mm, 16},
+        {"2-d x batched", {3, 16}, {4, 16, 2}, mm, 16},
+        {"batched x 2-d", {4, 3, 16}, {16, 2}, mm, 16},
+        {"permuted batch",
+         {3, 4, 16},
+         {4, 16, 2},
+         [](const auto& v) { return ops::matmul(v[0].transpose(0, 1), v[1]); },
+         16},
+        {"stepped slice", {5, 32}, {16, 3}, [](const auto& v) { return ops::matmul(v[0].slice(1, 0, 32, 2), v[1]); }, 16},
+        {"transposed", {32, 5}, {3, 32}, [](const auto& v) { return ops::matmul(v[0].t(), v[1].t()); }, 32},
+        {"batched transposed",
+         {3, 16, 4},
+         {3, 5, 16},
+         [](const auto& v) { return ops::matmul(v[0].transpose(1, 2), v[1].transpose(-1, -2)); },
+         16},
+    };
+    for (DType dt : kLowp) {
+      const double u = unit_roundoff(dt);
+      for (const MatmulCase& c : cases) {
+        const std::string what = label(std::string("matmul ") + c.name, dt);
+        const LowpRun r = run_lowp(c.fn, {leaf(c.a, -1, 1, 41), leaf(c.b, -1, 1, 42)}, dt);
         expect_dtypes(r, dt, dt, what);
-        const Magnitudes m = magnitudes(fn, r);
-        // Forward: as matmul, bias added in f32 before the single rounding (K = 24):
-        // 2u|ref| + 2 * 25 * 2^-24 (|x||W|^T + |b|).
-        EXPECT_TRUE(within(r.y_lp, r.y_ref, 2 * u, ops::mul(m.y, 2.0 * 25 * kF32U))) << what;
-        // Backward: dx = G W, dW = G^T x (inner length <= 7 rows), db = sum of G's rows in f32:
-        // each one f32-accumulated product rounded once: 2u|ref| + 2 * 8 * 2^-24 M.
-        for (size_t k = 0; k < r.gx_lp.size(); ++k)
-          EXPECT_TRUE(within(r.gx_lp[k], r.gx_ref[k], 2 * u, ops::mul(m.gx[k], 2.0 * 8 * kF32U)))
+        const Magnitudes m = magnitudes(c.fn, r);
+        // Forward: products of 16-bit values are exact in f32, accumulated in f32 (gamma_K
+        // (|A||B|)), rounded once: 2u|ref| + 2 K 2^-24 (|A||B|).
+        EXPECT_TRUE(within(r.y_lp, r.y_ref, 2 * u, ops::mul(m.y, 2.0 * static_cast<double>(c.k) * kF32U))) << what;
+        // Backward: G B^T and A^T G are matmuls of the same kind (inner length <= 4*3*2 = 24), then
+        // broadcast batches are summed after rounding: 2u|ref| + 2(u + 32 2^-24) M.
+        for (size_t k = 0; k < 2; ++k)
+          EXPECT_TRUE(within(r.gx_lp[k], r.gx_ref[k], 2 * u, ops::mul(m.gx[k], 2 * (u + 32 * kF32U))))
               << what << " backward " << k;
       }
     }
-  }
+  });
+}
+
+TEST(LowPrecision, Linear) {
+  ops_test::for_each_bf16_way([&] {
+    for (DType dt : kLowp) {
+      const double u = unit_roundoff(dt);
+      const Tensor w = leaf({6, 24}, -1, 1, 51), b = leaf({6}, -1, 1, 52);
+      for (const Shape& xs : {Shape{7, 24}, Shape{2, 3, 24}, Shape{24}}) {
+        for (bool bias : {true, false}) {
+          const std::string what = label("linear x" + shape_str(xs) + (bias ? " bias" : ""), dt);
+          const Fn fn = [bias](const auto& v) { return bias ? ops::linear(v[0], v[1], v[2]) : ops::linear(v[0], v[1]); };
+          const LowpRun r = run_lowp(
+              fn, bias ? std::vector<Tensor>{leaf(xs, -1, 1, 53), w, b} : std::vector<Tensor>{leaf(xs, -1, 1, 53), w},
+              dt);
+          expect_dtypes(r, dt, dt, what);
+          const Magnitudes m = magnitudes(fn, r);
+          // Forward: as matmul, bias added in f32 before the single rounding (K = 24):
+          // 2u|ref| + 2 * 25 * 2^-24 (|x||W|^T + |b|).
+          EXPECT_TRUE(within(r.y_lp, r.y_ref, 2 * u, ops::mul(m.y, 2.0 * 25 * kF32U))) << what;
+          // Backward: dx = G W, dW = G^T x (inner length <= 7 rows), db = sum of G's rows in f32:
+          // each one f32-accumulated product rounded once: 2u|ref| + 2 * 8 * 2^-24 M.
+          for (size_t k = 0; k < r.gx_lp.size(); ++k)
+            EXPECT_TRUE(within(r.gx_lp[k], r.gx_ref[k], 2 * u, ops::mul(m.gx[k], 2.0 * 8 * kF32U)))
+                << what << " backward " << k;
+        }
+      }
+    }
+  });
 }
 
 // A bf16 Linear's bias gradient is the column sum of the output gradient, summed in f32 from the
@@ -432,20 +436,22 @@ TEST(LowPrecision, Linear) {
 // channel sum) and for one (the per-row path). A dropped row or a misplaced column fails it; the
 // order of the f32 additions is below bf16's resolution here.
 TEST(LowPrecision, LinearBiasGradientIsTheF32ColumnSumRoundedOnce) {
-  for (const int64_t N : {50, 1}) {
-    const int64_t M = 37, K = 8;
-    const Tensor x = leaf({M, K}, -1, 1, 61).to(kBFloat16);
-    const Tensor w = leaf({N, K}, -1, 1, 62).to(kBFloat16);
-    const Tensor b = leaf({N}, -1, 1, 63).to(kBFloat16).detach().requires_grad_();
-    const Tensor g = leaf({M, N}, -4, 4, 64).to(kBFloat16).detach();
-    ops::linear(x, w, b).backward(g);
-    std::vector<float> acc(static_cast<size_t>(N), 0.0f);
-    const std::vector<double> gv = g.to_vector();
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t c = 0; c < N; ++c) acc[c] += static_cast<float>(gv[r * N + c]);
-    std::vector<double> want(acc.begin(), acc.end());
-    EXPECT_EQ(b.grad().to_vector(), Tensor(tensor(want, {N})).to(kBFloat16).to_vector()) << "N " << N;
-  }
+  ops_test::for_each_bf16_way([&] {
+    for (const int64_t N : {50, 1}) {
+      const int64_t M = 37, K = 8;
+      const Tensor x = leaf({M, K}, -1, 1, 61).to(kBFloat16);
+      const Tensor w = leaf({N, K}, -1, 1, 62).to(kBFloat16);
+      const Tensor b = leaf({N}, -1, 1, 63).to(kBFloat16).detach().requires_grad_();
+      const Tensor g = leaf({M, N}, -4, 4, 64).to(kBFloat16).detach();
+      ops::linear(x, w, b).backward(g);
+      std::vector<float> acc(static_cast<size_t>(N), 0.0f);
+      const std::vector<double> gv = g.to_vector();
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < N; ++c) acc[c] += static_cast<float>(gv[r * N + c]);
+      std::vector<double> want(acc.begin(), acc.end());
+      EXPECT_EQ(b.grad().to_vector(), Tensor(tensor(want, {N})).to(kBFloat16).to_vector()) << "N " << N;
+    }
+  });
 }
 
 // ---------------------------------------------------------------- losses

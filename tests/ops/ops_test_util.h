@@ -7,6 +7,9 @@
 
 #include <gtest/gtest.h>
 
+#include "tandem/core/cpu_features.h"
+#include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/tandem.h"
 #include "util/test_util.h"
 
@@ -43,5 +46,32 @@ inline Tensor i64(const std::vector<int64_t>& values, const Shape& shape) { retu
     }                                                                                      \
     if (!caught_) ADD_FAILURE() << #stmt " did not throw " #ErrType;                       \
   } while (0)
+
+// The ways bf16 products can run on this CPU (kernels/cpu/bf16_products.h): amx where its tiles
+// are usable; native where the CPU has AVX512-BF16 (oneDNN's bf16 kernels, else absent or
+// emulated); widened everywhere.
+inline std::vector<kernels::Bf16Products> bf16_ways_here() {
+  std::vector<kernels::Bf16Products> ways;
+  if (kernels::amx_bf16_usable()) ways.push_back(kernels::Bf16Products::amx);
+  if (cpu_features().avx512_bf16) ways.push_back(kernels::Bf16Products::native);
+  ways.push_back(kernels::Bf16Products::widened);
+  return ways;
+}
+
+// Runs fn once per way of bf16_ways_here() with that way set (named by a SCOPED_TRACE), then
+// puts back the way the process had chosen: a test of bf16 arithmetic covers every kernel this
+// machine can run, not only the one it picked.
+template <class F>
+void for_each_bf16_way(F fn) {
+  struct Restore {
+    kernels::Bf16Products chosen = kernels::bf16_products();
+    ~Restore() { kernels::set_bf16_products(chosen); }
+  } restore;
+  for (const kernels::Bf16Products way : bf16_ways_here()) {
+    SCOPED_TRACE(std::string("bf16 products: ") + kernels::bf16_products_name(way));
+    kernels::set_bf16_products(way);
+    fn();
+  }
+}
 
 }  // namespace tandem::ops_test

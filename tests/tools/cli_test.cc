@@ -44,5 +44,23 @@ TEST(Cli, EnvReportsCpuCoresAndBackends) {
   EXPECT_EQ(r.exit_code, 2);
 }
 
+// `tandem env` says how bf16 products run and why (kernels/cpu/bf16_products.h); the variable
+// TANDEM_BF16_GEMM overrides the choice, and an unknown value is named with the valid ones.
+TEST(Cli, EnvSaysHowBf16ProductsRun) {
+  ProcResult r = run_process({kTandem, "env"}, launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("bf16 products    "), std::string::npos) << r.out;
+  r = run_process({kTandem, "env"}, launcher_env({{"TANDEM_BF16_GEMM", "f32"}}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("bf16 products    widened (TANDEM_BF16_GEMM=f32)"), std::string::npos) << r.out;
+  r = run_process({kTandem, "env"}, launcher_env({{"TANDEM_BF16_GEMM", "onednn"}}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("bf16 products    native (TANDEM_BF16_GEMM=onednn)"), std::string::npos) << r.out;
+  r = run_process({kTandem, "env"}, launcher_env({{"TANDEM_BF16_GEMM", "fast"}}));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("TANDEM_BF16_GEMM=\"fast\" is not a known way"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("\"f32\""), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace tandem::testing

@@ -14,6 +14,7 @@
 #include "tandem/core/cpu_features.h"
 #include "tandem/core/error.h"
 #include "tandem/core/parallel.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/kernels/cpu/transpose16.h"
 
@@ -531,25 +532,7 @@ bool swap_operands(char transb, int64_t M, int64_t N, int64_t K, AmxOperandOrder
 
 }  // namespace
 
-bool bf16_kernels_switched_off() {
-  static const bool off = [] {
-    const char* env = std::getenv("TANDEM_BF16_GEMM");
-    const std::string v = env != nullptr ? env : "";
-    if (v == "onednn") return true;
-    if (!v.empty() && v != "amx") {
-      throw ValueError(fmt::format("TANDEM_BF16_GEMM=\"{}\" is not a known bf16 GEMM; use \"amx\" (Tandem's AMX "
-                                   "kernel, the default where the CPU has AMX-BF16) or \"onednn\" (oneDNN's matmul)",
-                                   v));
-    }
-    return false;
-  }();
-  return off;
-}
-
-bool amx_bf16_enabled() {
-  static const bool on = !bf16_kernels_switched_off() && amx_bf16_usable();
-  return on;
-}
+bool amx_bf16_enabled() { return bf16_products() == Bf16Products::amx; }
 
 void amx_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                    const uint16_t* b, int64_t ldb, const float* bias, bool accumulate, void* c, bool c_bf16,

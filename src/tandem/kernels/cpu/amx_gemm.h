@@ -4,7 +4,7 @@
 // small blocks); this kernel packs B once per call into the tile layout (in column chunks of at
 // most ~4 MiB), reads a row-major A in place (else packs it per block of 32 rows, in L1) and keeps
 // four 16 x 16 f32 accumulator tiles (a 32 x 32 block of C) busy over all of K. Used by kernels::gemm for bf16
-// when amx_bf16_enabled(); TANDEM_BF16_GEMM=onednn switches back to oneDNN's matmul.
+// when amx_bf16_enabled(); TANDEM_BF16_GEMM=onednn switches back to oneDNN's matmul (bf16_products.h).
 #pragma once
 
 #include <cstdint>
@@ -15,14 +15,9 @@ namespace tandem::kernels {
 // ARCH_REQ_XCOMP_PERM, asked once).
 bool amx_bf16_usable();
 
-// TANDEM_BF16_GEMM=onednn: Tandem's own bf16 kernels (this one, and the AVX512-BF16 tile
-// products of dpbf16_gemm.h) are off and bf16 goes to oneDNN (attention to f32). Read once; any
-// value other than "amx" or "onednn" is a ValueError naming it.
-bool bf16_kernels_switched_off();
-
-// amx_bf16_usable() and not switched off by TANDEM_BF16_GEMM=onednn (read once; any value other
-// than "amx" or "onednn" is a ValueError naming it): whether kernels::gemm and the attention
-// kernel take the AMX products for bf16.
+// bf16_products() is amx (bf16_products.h: AMX-BF16 usable, TANDEM_BF16_GEMM not "onednn" or
+// "f32"): whether kernels::gemm, the attention kernel and the bf16 weight gradient of convolution
+// take the AMX products.
 bool amx_bf16_enabled();
 
 // c (M x N, row stride ldc) = op(A) @ op(B) [+ bias] [+ c's old value when `accumulate`], where

@@ -258,15 +258,14 @@ void round_rows(const float* src, uint16_t* dst, int64_t rows, int64_t cols, int
 
 }  // namespace
 
-bool attention_bf16_native() { return amx_bf16_enabled() || dpbf16_usable(); }
+bool attention_bf16_native() { return amx_bf16_enabled() || dpbf16_enabled(); }
 
 namespace {
 
 // One bf16 tile product on AMX where enabled, else on AVX512-BF16.
 void tile_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                     const uint16_t* b, int64_t ldb, bool accumulate, void* c, bool c_bf16, int64_t ldc) {
-  static const bool amx = amx_bf16_enabled();
-  if (amx) return amx_tile_gemm_bf16(transa, transb, M, N, K, a, lda, b, ldb, accumulate, c, c_bf16, ldc);
+  if (amx_bf16_enabled()) return amx_tile_gemm_bf16(transa, transb, M, N, K, a, lda, b, ldb, accumulate, c, c_bf16, ldc);
   dpbf16_tile_gemm_bf16(transa, transb, M, N, K, a, lda, b, ldb, accumulate, c, c_bf16, ldc);
 }
 

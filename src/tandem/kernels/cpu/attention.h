@@ -39,8 +39,9 @@ template <class T>
 void attention_backward(const T* q, const T* k, const T* v, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
                         const AttentionShape& s, T scale);
 
-// Whether the bf16 kernels below can run here: AMX tiles (amx_bf16_enabled()) or, without AMX,
-// AVX512-BF16 dot products (dpbf16_gemm.h, dpbf16_usable()). Else bf16 attention runs in f32.
+// Whether the bf16 kernels below run here: AMX tiles (amx_bf16_enabled()) or, without AMX,
+// AVX512-BF16 dot products where they beat f32 FMAs (dpbf16_gemm.h, dpbf16_enabled()). Else bf16
+// attention runs in f32 (bf16_products.h: widened).
 bool attention_bf16_native();
 
 // bf16 operands (bit patterns) on AMX tiles (amx_gemm.h), else on AVX512-BF16 (dpbf16_gemm.h;

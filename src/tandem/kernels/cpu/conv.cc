@@ -12,6 +12,7 @@
 #include "tandem/kernels/cpu/dnnl_common.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/row_math.h"
@@ -64,6 +65,17 @@ namespace {
 // taps included, as oneDNN computes them): the same for forward, input and weight gradients.
 double conv_flops(const Shape& ys, const Shape& ws) {
   return 2.0 * static_cast<double>(ys[0] * ys[1] * ys[2] * ys[3]) * static_cast<double>(ws[1] * ws[2] * ws[3]);
+}
+
+// bf16 convolutions run widened to f32 on this CPU (bf16_products.h): the operands widened
+// exactly, oneDNN's f32 convolution, the result rounded once.
+bool bf16_widened(DType dt) { return dt == kBFloat16 && bf16_products() == Bf16Products::widened; }
+
+// t (f32, dense) rounded to bf16 in the same layout (a channels-last output stays channels-last).
+Tensor rounded_to_bf16(const Tensor& t) {
+  Tensor out = empty_strided(t.shape(), t.strides(), kBFloat16);
+  convert(t.data_ptr(), kFloat32, out.data_ptr(), kBFloat16, t.numel());
+  return out;
 }
 
 // ---- f64 reference loops (NCHW, contiguous) ----
@@ -295,6 +307,10 @@ Tensor conv2d_forward(const Tensor& x0, const Tensor& w0, const Tensor& b0, cons
     return conv2d_forward(x0.to(kFloat32), w0.to(kFloat32), b0.defined() ? b0.to(kFloat32) : b0, p).to(kFloat16);
   }
   TANDEM_CHECK(dt == kFloat32 || dt == kBFloat16, DTypeError, "conv2d: expected a floating input, got {}", dtype_name(dt));
+  if (bf16_widened(dt)) {  // the bias rounded to bf16 first, as the bf16 convolution reads it
+    const Tensor b = b0.defined() ? widened_to_f32(b0.to(dt).contiguous()) : b0;
+    return rounded_to_bf16(conv2d_forward(widened_to_f32(to_channels_last(x0)), widened_to_f32(w0.contiguous()), b, p));
+  }
   const Tensor x = to_channels_last(x0), w = w0.contiguous();
   const Tensor b = b0.defined() ? b0.to(dt).contiguous() : b0;
   const Geometry g = geometry(x.shape(), w.shape(), ys, p);
@@ -326,6 +342,10 @@ Tensor conv2d_backward_input(const Tensor& gy0, const Tensor& w0, const Shape& x
     return gx;
   }
   if (dt == kFloat16) return conv2d_backward_input(gy0.to(kFloat32), w0.to(kFloat32), xs, p).to(kFloat16);
+  if (bf16_widened(dt)) {
+    return rounded_to_bf16(conv2d_backward_input(widened_to_f32(to_channels_last(gy0.to(dt))),
+                                                 widened_to_f32(w0.contiguous()), xs, p));
+  }
   const Tensor gy = to_channels_last(gy0.to(dt)), w = w0.contiguous();
   const Geometry g = geometry(xs, w.shape(), ys, p);
   auto plan = plan_for(xs, w.shape(), ys, p, dt, false, g);
@@ -378,6 +398,11 @@ std::pair<Tensor, Tensor> conv2d_backward_weight(const Tensor& gy0, const Tensor
   if (dt == kFloat16) {
     auto [gw, gb] = conv2d_backward_weight(gy0.to(kFloat32), x0.to(kFloat32), ws, with_bias, p);
     return {gw.to(kFloat16), gb.defined() ? gb.to(kFloat16) : gb};
+  }
+  if (bf16_widened(dt)) {
+    auto [gw, gb] = conv2d_backward_weight(widened_to_f32(to_channels_last(gy0.to(dt))),
+                                           widened_to_f32(to_channels_last(x0)), ws, with_bias, p);
+    return {rounded_to_bf16(gw), gb.defined() ? rounded_to_bf16(gb) : gb};
   }
   const Tensor gy = to_channels_last(gy0.to(dt)), x = to_channels_last(x0);
   if (use_im2col_weight_grad(dt, x.shape(), ws, p)) return conv2d_backward_weight_im2col(gy, x, ws, ys, with_bias, p);

@@ -10,6 +10,7 @@
 #include "tandem/core/convert.h"
 #include "tandem/core/cpu_features.h"
 #include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/kernels/cpu/acc_block.h"
 #include "tandem/kernels/cpu/transpose16.h"
 
@@ -206,6 +207,8 @@ bool dpbf16_usable() {
   }();
   return on;
 }
+
+bool dpbf16_enabled() { return bf16_products() == Bf16Products::native && dpbf16_usable(); }
 
 void dpbf16_tile_gemm_bf16(char transa, char transb, int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda,
                            const uint16_t* b, int64_t ldb, bool accumulate, void* c, bool c_bf16, int64_t ldc) {

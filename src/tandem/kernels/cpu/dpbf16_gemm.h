@@ -1,15 +1,21 @@
 // Small bf16 matrix products on AVX512-BF16 (VDPBF16PS), for CPUs with that extension and no
 // AMX (AMD Zen 4 and later, Intel Cooper Lake): the tile products of the bf16 attention kernel
 // (attention.h), which otherwise widens q, k, v to f32 and multiplies at the f32 FMA rate. Each
-// instruction multiplies 16 pairs of bf16 and adds them to 16 f32 sums: twice the f32 rate.
+// instruction multiplies 16 pairs of bf16 and adds them to 16 f32 sums: twice the f32 rate where
+// it issues as often as an FMA (Zen 4); where it does not, bf16_products() is widened and the
+// attention kernel stays on f32 (bf16_products.h).
 #pragma once
 
 #include <cstdint>
 
 namespace tandem::kernels {
 
-// The CPU has AVX512-BF16 (with AVX512BW/VL) and TANDEM_BF16_GEMM does not say "onednn".
+// The CPU has AVX512-BF16 (with AVX512BW/VL) and TANDEM_BF16_GEMM does not say "onednn": the
+// kernel below can run (its tests run wherever this holds).
 bool dpbf16_usable();
+
+// dpbf16_usable() and bf16_products() is native: the attention kernel takes these products.
+bool dpbf16_enabled();
 
 // c (M x N, row stride ldc) = op(A) @ op(B) [+ c's old value when `accumulate`], with a and b
 // holding bf16 bit patterns and op as in amx_gemm.h:

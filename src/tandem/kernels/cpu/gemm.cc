@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "tandem/kernels/cpu/amx_gemm.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/kernels/cpu/dnnl_common.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/kernels/cpu/tile_gemm.h"
@@ -201,6 +202,14 @@ void check_operands(const Tensor& a, const Tensor& b, const Tensor& bias, const 
   (void)c;
 }
 
+// bf16 or f16 operands widened to f32 (exact), multiplied by the f32 GEMM, the result rounded
+// once into c (f32 c: no rounding).
+void gemm_widened(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
+  Tensor c32 = c.dtype() == kFloat32 ? c : empty(c.shape(), kFloat32);
+  gemm_f32(widened_to_f32(a), widened_to_f32(b), bias.defined() && bias.dtype() != kFloat32 ? bias.to(kFloat32) : bias, c32);
+  if (!c32.is_same(c)) c.copy_(c32);
+}
+
 }  // namespace
 
 void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) {
@@ -222,30 +231,27 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c) 
       return gemm_f32(a, b, bb, c);
     }
     case DType::bf16: {
-      if (amx_bf16_enabled()) return gemm_bf16_amx(a, b, bias, c);
+      const Bf16Products how = bf16_products();
+      if (how == Bf16Products::amx) return gemm_bf16_amx(a, b, bias, c);
+      if (how == Bf16Products::widened) return gemm_widened(a, b, bias, c);
       // An f32 bias stays f32 (added to the f32 sum before the one rounding, as on the AMX
       // kernel); other dtypes are widened to f32.
       const Tensor bb = bias.defined() && bias.dtype() != kFloat32 && bias.dtype() != kBFloat16 ? bias.to(kFloat32) : bias;
       return gemm_dnnl(a, b, bb, c);
     }
-    case DType::f16: {
-      // This CPU's oneDNN has no f16 GEMM: widen to f32 (exact), multiply, round once. A dense
-      // operand keeps its layout (a transposed weight stays transposed), so widening is one
-      // linear vectorised pass instead of a strided element-by-element copy (8x the GEMM).
-      auto widen = [](const Tensor& t) {
-        if (!t.is_non_overlapping_and_dense()) return t.to(kFloat32);
-        Tensor w = empty_strided(t.shape(), t.strides(), kFloat32);
-        convert(t.data_ptr(), kFloat16, w.data_ptr(), kFloat32, t.numel());
-        return w;
-      };
-      Tensor c32 = c.dtype() == kFloat32 ? c : empty(c.shape(), kFloat32);
-      gemm_f32(widen(a), widen(b), bias.defined() ? bias.to(kFloat32) : bias, c32);
-      if (!c32.is_same(c)) c.copy_(c32);
-      return;
-    }
+    case DType::f16:  // this CPU's oneDNN has no f16 GEMM
+      return gemm_widened(a, b, bias, c);
     default:
       throw DTypeError(fmt::format("matmul: expected a floating-point dtype, got {}", dtype_name(a.dtype())));
   }
+}
+
+Tensor widened_to_f32(const Tensor& t) {
+  if (t.dtype() == kFloat32) return t;
+  if (!t.is_non_overlapping_and_dense()) return t.to(kFloat32);
+  Tensor w = empty_strided(t.shape(), t.strides(), kFloat32);
+  convert(t.data_ptr(), t.dtype(), w.data_ptr(), kFloat32, t.numel());
+  return w;
 }
 
 void gemm_into_rounded_bf16(const Tensor& a, const Tensor& b, Tensor& c) {

@@ -1,6 +1,6 @@
-// Batched matrix multiply on CPU: f32 through oneDNN; bf16 (f32 accumulation) on Tandem's AMX
-// kernel (amx_gemm.h) where the CPU has AMX-BF16, else oneDNN's matmul; a plain loop path for
-// f64 and an f32 detour for f16. oneDNN primitives are built once per shape, stride pattern and
+// Batched matrix multiply on CPU: f32 through oneDNN; bf16 (f32 accumulation) as bf16_products()
+// says: Tandem's AMX kernel (amx_gemm.h), oneDNN's bf16 matmul, or widened to f32; a plain loop
+// path for f64 and an f32 detour for f16. oneDNN primitives are built once per shape, stride pattern and
 // dtype, then reused.
 #pragma once
 
@@ -24,6 +24,11 @@ void gemm_into(const Tensor& a, const Tensor& b, const Tensor& bias, Tensor& c);
 // straight into the f32 buffer of the parameter it is cast back to (autograd's rounded
 // destinations, node.h).
 void gemm_into_rounded_bf16(const Tensor& a, const Tensor& b, Tensor& c);
+
+// t as f32: t itself when it is f32; a dense t keeps its strides (one linear conversion pass, so
+// a transposed weight stays transposed), any other becomes contiguous. Widening bf16 and f16 is
+// exact.
+Tensor widened_to_f32(const Tensor& t);
 
 // Raw row-major f32 BLAS-style product on the calling thread's oneDNN:
 //   c (M x N, row stride ldc) = op(a) @ op(b) + beta * c,
