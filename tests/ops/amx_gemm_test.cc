@@ -19,6 +19,7 @@
 #include "tandem/core/tensor.h"
 #include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/gemm.h"
+#include "ops/ops_test_util.h"
 #include "util/test_util.h"
 
 namespace tandem {
@@ -296,23 +297,26 @@ TEST_F(AmxGemm, GemmOnBf16TensorsMatchesF64) {
 
 // gemm_into_rounded_bf16 (the AMX epilogue's rounding, f32 c) holds bit for bit what the bf16
 // product converted to f32 holds: batched and broadcast, either operand transposed, shapes with
-// partial tiles and blocks. Not skipped without AMX: there it checks the bf16-product fallback.
+// partial tiles and blocks. Not skipped without AMX: it runs once per way bf16 products can run
+// here (bf16_products.h): the widened way rounds its f32 product in place, in blocks of 4096.
 TEST(GemmRounded, EqualsTheBf16ProductWidened) {
-  Generator gen(6);
-  for (auto [Bn, M, K, N] : {std::array<int64_t, 4>{1, 19, 45, 37}, {2, 33, 70, 50}, {1, 128, 64, 96}, {1, 7, 1, 3}}) {
-    SCOPED_TRACE(::testing::Message() << Bn << " x " << M << " x " << K << " x " << N);
-    const Tensor a_rm = randn({Bn, M, K}, kFloat32, &gen).to(kBFloat16);
-    const Tensor a_t = randn({Bn, K, M}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
-    const Tensor b_rm = randn({1, K, N}, kFloat32, &gen).to(kBFloat16);
-    const Tensor b_t = randn({1, N, K}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
-    for (const Tensor* a : {&a_rm, &a_t}) {
-      for (const Tensor* b : {&b_rm, &b_t}) {
-        Tensor c = full({Bn, M, N}, 7.0, kFloat32);
-        kernels::gemm_into_rounded_bf16(*a, *b, c);
-        EXPECT_EQ(c.to_vector(), kernels::gemm(*a, *b, Tensor(), kBFloat16).to(kFloat32).to_vector());
+  ops_test::for_each_bf16_way([] {
+    Generator gen(6);
+    for (auto [Bn, M, K, N] : {std::array<int64_t, 4>{1, 19, 45, 37}, {2, 33, 70, 50}, {1, 128, 64, 96}, {1, 7, 1, 3}}) {
+      SCOPED_TRACE(::testing::Message() << Bn << " x " << M << " x " << K << " x " << N);
+      const Tensor a_rm = randn({Bn, M, K}, kFloat32, &gen).to(kBFloat16);
+      const Tensor a_t = randn({Bn, K, M}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
+      const Tensor b_rm = randn({1, K, N}, kFloat32, &gen).to(kBFloat16);
+      const Tensor b_t = randn({1, N, K}, kFloat32, &gen).to(kBFloat16).transpose(1, 2);
+      for (const Tensor* a : {&a_rm, &a_t}) {
+        for (const Tensor* b : {&b_rm, &b_t}) {
+          Tensor c = full({Bn, M, N}, 7.0, kFloat32);
+          kernels::gemm_into_rounded_bf16(*a, *b, c);
+          EXPECT_EQ(c.to_vector(), kernels::gemm(*a, *b, Tensor(), kBFloat16).to(kFloat32).to_vector());
+        }
       }
     }
-  }
+  });
   Tensor wrong = zeros({1, 19, 37}, kBFloat16);
   EXPECT_THROW(kernels::gemm_into_rounded_bf16(zeros({1, 19, 45}, kBFloat16), zeros({1, 45, 37}, kBFloat16), wrong),
                DTypeError);

@@ -266,6 +266,20 @@ void gemm_into_rounded_bf16(const Tensor& a, const Tensor& b, Tensor& c) {
   const bool unit = blas_operand(a.size(1), a.size(2), a.stride(1), a.stride(2)).trans != 0 &&
                     blas_operand(b.size(1), b.size(2), b.stride(1), b.stride(2)).trans != 0;
   if (a.size(2) > 0 && amx_bf16_enabled() && unit) return gemm_bf16_amx(a, b, Tensor(), c, true);
+  if (a.size(2) > 0 && bf16_products() == Bf16Products::widened) {
+    // The f32 product straight into c, then rounded to bf16 in place, a block at a time through
+    // an L1-sized buffer: no bf16 result in memory and no second f32 copy.
+    gemm_widened(a, b, Tensor(), c);
+    float* pc = c.data_ptr<float>();
+    constexpr int64_t kBlock = 4096;
+    uint16_t rounded[kBlock];
+    for (int64_t i = 0; i < c.numel(); i += kBlock) {
+      const int64_t n = std::min(kBlock, c.numel() - i);
+      convert(pc + i, kFloat32, rounded, kBFloat16, n);
+      convert(rounded, kBFloat16, pc + i, kFloat32, n);
+    }
+    return;
+  }
   Tensor r = gemm(a, b, Tensor(), kBFloat16);
   // c is a parameter's gradient (its rounded destination), read next by the optimizer or DDP.
   convert_for_later(r.data_ptr(), kBFloat16, c.data_ptr(), kFloat32, c.numel());
