@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/kernels/cpu/core_peak.h"
 #include "tandem/kernels/cpu/kernel_timing.h"
 #include "tandem/tandem.h"
@@ -210,8 +211,9 @@ inline double bf16_dot_peak_gflops() {
 inline void init_and_print_env(int threads) {
   set_num_threads(threads);
   std::printf("{\"name\":\"env\",\"impl\":\"tandem\",\"threads\":%d,\"cpu\":\"%s\",\"f32_fma_peak_gflops\":%.1f,"
-              "\"bf16_dot_peak_gflops\":%.1f}\n",
-              get_num_threads(), cpu_features().summary().c_str(), f32_fma_peak_gflops(), bf16_dot_peak_gflops());
+              "\"bf16_dot_peak_gflops\":%.1f,\"bf16_products\":\"%s\"}\n",
+              get_num_threads(), cpu_features().summary().c_str(), f32_fma_peak_gflops(), bf16_dot_peak_gflops(),
+              kernels::bf16_products_name(kernels::bf16_products()));
   std::fflush(stdout);
 }
 

@@ -189,10 +189,11 @@ void run_rank(const Args& a) {
     std::fprintf(stderr,
                  "rank %d: per step (ms) forward %.2f backward %.2f (first bucket launched at %.2f, nodes done at "
                  "%.2f, then waited %.2f for communication) optimizer %.2f | main-thread cpu %.2f, other threads "
-                 "cpu %.2f, wall %.2f | in GEMM %.2f (%.0f GFLOP/s), in convolution %.2f (%.0f GFLOP/s)\n",
+                 "cpu %.2f, wall %.2f | in GEMM %.2f (%.0f GFLOP/s), in convolution %.2f (%.0f GFLOP/s) | bf16 products %s\n",
                  group->rank(), ph.forward * k, ph.backward * k, ph.first_launch * k, ph.backward_nodes * k,
                  ph.comm_after * k, ph.optimizer * k, main_cpu * k, (cpu - main_cpu) * k, wall * k, gemm.seconds * k,
-                 td::bench::gflops_per_s(gemm), conv.seconds * k, td::bench::gflops_per_s(conv));
+                 td::bench::gflops_per_s(gemm), conv.seconds * k, td::bench::gflops_per_s(conv),
+                 td::kernels::bf16_products_name(td::kernels::bf16_products()));
   }
   if (group->rank() == 0) {
     const double samples = static_cast<double>(n * B * group->size());

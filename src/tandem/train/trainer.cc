@@ -33,6 +33,7 @@
 #include "tandem/dist/metrics.h"
 #include "tandem/dist/process_group.h"
 #include "tandem/dist/store.h"
+#include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/nn/models/cnn.h"
 #include "tandem/nn/models/gpt.h"
 #include "tandem/nn/models/mlp.h"
@@ -510,6 +511,9 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     prec.describe = "fp16 autocast + GradScaler";
   } else {
     prec.describe = prec.low == kBFloat16 ? "bf16 autocast" : "fp32";
+  }
+  if (prec.low == kBFloat16) {  // which kernels multiply in bf16 here (kernels/cpu/bf16_products.h)
+    prec.describe += fmt::format(" (bf16 products {})", kernels::bf16_products_name(kernels::bf16_products()));
   }
   std::shared_ptr<parallel::DistributedDataParallel> ddp;
   std::string ddp_describe;
