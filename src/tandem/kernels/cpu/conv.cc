@@ -67,8 +67,9 @@ double conv_flops(const Shape& ys, const Shape& ws) {
   return 2.0 * static_cast<double>(ys[0] * ys[1] * ys[2] * ys[3]) * static_cast<double>(ws[1] * ws[2] * ws[3]);
 }
 
-// bf16 convolutions run widened to f32 on this CPU (bf16_products.h): the operands widened
-// exactly, oneDNN's f32 convolution, the result rounded once.
+// Whether a bf16 convolution runs widened (bf16_products.h: where VDPBF16PS is slower than f32
+// FMAs or absent): the operands widened exactly, oneDNN's f32 convolution, the result rounded
+// once, the f32 conv's layouts kept (channels-last in and out).
 bool bf16_widened(DType dt) { return dt == kBFloat16 && bf16_products() == Bf16Products::widened; }
 
 // t (f32, dense) rounded to bf16 in the same layout (a channels-last output stays channels-last).

@@ -5,6 +5,8 @@
 // gradcheck); f16 goes through f32. Primitives are built once per shape and reused. The bf16
 // weight gradient (groups 1, C*KH*KW >= 64) runs as AMX GEMMs over im2col blocks instead of
 // oneDNN 2.6's backward-weights kernel, which is 5x slower than its matmul on these shapes.
+// Where bf16 products run widened (bf16_products.h), bf16 convolutions widen their operands to
+// f32 exactly, run the f32 primitives and round the result once.
 #pragma once
 
 #include <array>
