@@ -128,7 +128,12 @@ if last:
     def env_peak(field):
         peaks = [r[field] for r in rows if r["name"] == "env" and r.get(field)]
         return max(peaks) if peaks else 0.0
-    peak_of = {"f32": env_peak("f32_fma_peak_gflops"), "bf16": env_peak("bf16_dot_peak_gflops")}
+    # bf16 runs at the rate of the way Tandem chose (the env line's bf16_products): widened to
+    # f32 on the FMAs, native on VDPBF16PS, amx on tiles this does not measure (0).
+    bf16_way = next((r["bf16_products"] for r in reversed(rows) if r["name"] == "env" and "bf16_products" in r), "native")
+    peak_of = {"f32": env_peak("f32_fma_peak_gflops"),
+               "bf16": {"widened": env_peak("f32_fma_peak_gflops"), "amx": 0.0}.get(bf16_way,
+                                                                                  env_peak("bf16_dot_peak_gflops"))}
     lines = []
     for d in ("f32", "bf16"):
         t = last.get(("phases", d, "tandem"))
@@ -149,7 +154,7 @@ if last:
             cols += ["-", "-", "-"]
         lines.append(f"  {d:<5} {p_step:>8.2f} {gemm:>8.2f} {rest:>8.2f} " + " ".join(f"{c:>10}" for c in cols))
     if lines:
-        print(f"\nceilings of the step's T/P cpu ratio (ms; peaks: f32 FMA {peak_of['f32']:.1f}, bf16 VDPBF16PS"
+        print(f"\nceilings of the step's T/P cpu ratio (ms; peaks: f32 FMA {peak_of['f32']:.1f}, bf16 ({bf16_way})"
               f" {peak_of['bf16']:.1f} GFLOP/s, 0 = not measured):")
         print(f"  {'dtype':<5} {'P step':>8} {'T gemm':>8} {'T rest':>8} " +
               " ".join(f"{c:>10}" for c in ["gemm only", "gemm+rest", "peak only", "peak+rest", "gemm %peak"]))

@@ -16,8 +16,9 @@
 #   --phases           also print each side's per-phase step breakdown and its time inside GEMM and
 #                      convolution calls (Tandem: kernel timers; PyTorch: torch.profiler self time),
 #                      and that time's rate against this core's measured peak (the "env" line's
-#                      f32_fma_peak_gflops, or bf16_dot_peak_gflops for bf16 on a core with
-#                      AVX512-BF16 and no AMX) with the ratio the step would reach at it
+#                      f32_fma_peak_gflops; for bf16 the rate of the way bf16 products run, its
+#                      bf16_products: the FMA peak when widened, bf16_dot_peak_gflops when native)
+#                      with the ratio the step would reach at it
 #
 # Every (workload, dtype, side) runs in a process of its own, so that the peak-RSS figure is that
 # pair's alone. Columns: "wall" figures come from the median wall time per step; "cpu" figures
@@ -133,12 +134,18 @@ if last:
     def env_peak(field):
         peaks = [r[field] for r in rows if r["name"] == "env" and r.get(field)]
         return max(peaks) if peaks else 0.0
-    peak_of = {"f32": env_peak("f32_fma_peak_gflops"), "bf16": env_peak("bf16_dot_peak_gflops")}
+    # bf16 runs at the rate of the way Tandem chose (the env line's bf16_products): widened to
+    # f32 on the FMAs, native on VDPBF16PS, amx on tiles this does not measure (0).
+    bf16_way = next((r["bf16_products"] for r in reversed(rows) if r["name"] == "env" and "bf16_products" in r), "native")
+    peak_of = {"f32": env_peak("f32_fma_peak_gflops"),
+               "bf16": {"widened": env_peak("f32_fma_peak_gflops"), "amx": 0.0}.get(bf16_way,
+                                                                                  env_peak("bf16_dot_peak_gflops"))}
     print("\nmatrix products (GEMM + convolution calls) in the same phase runs, ms/step; \"ceiling\": PyTorch's"
           "\nbest median cpu step over Tandem's GEMM + convolution time, the ratio Tandem would reach if"
           "\neverything else took no time. \"%peak\": Tandem's GEMM + convolution rate over this core's measured"
-          f"\npeak (f32: {peak_of['f32']:.1f} GFLOP/s, 12 chains of FMAs; bf16: {peak_of['bf16']:.1f} GFLOP/s, 12 chains"
-          "\nof VDPBF16PS, 0 = not measured: no AVX512-BF16, or AMX, whose tiles it does not measure);"
+          f"\npeak (f32: {peak_of['f32']:.1f} GFLOP/s, 12 chains of FMAs; bf16: {peak_of['bf16']:.1f} GFLOP/s, the"
+          f"\nrate of the way bf16 products run here ({bf16_way}): FMAs when widened, 12 chains of VDPBF16PS when"
+          "\nnative, 0 = not measured: AMX, whose tiles it does not measure);"
           "\n\"at peak\": the ratio if all of them ran at that peak and everything else took the time it takes now:")
     print(f"  {'workload':<8} {'dtype':<5} {'T gemm':>8} {'GF/s':>6} {'T conv':>8} {'GF/s':>6} {'P gemm':>8} {'P conv':>8}"
           f" {'ceiling':>8} {'%peak':>6} {'at peak':>8}")
