@@ -432,7 +432,8 @@ TEST(ConvPrecision, F32OneDnnMatchesF64Loops) {
 // products are exact in f32, so what remains is the f32 accumulation (gamma_n S, n the sum's
 // length, S the sum of |terms|) and one rounding to bf16 at the end (u_bf16 |g|). The weight
 // gradient of a bf16 conv with C*KH*KW >= 64 runs as GEMMs over im2col blocks of output pixels
-// ("4x16x32x32" has 4096 pixels: more than one block); the 1-channel stem stays on oneDNN.
+// ("4x16x32x32" has 4096 pixels: more than one block); the 1-channel stem and the grouped and
+// depthwise convolutions stay on oneDNN. Once per way bf16 products run here (bf16_products.h).
 TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
   ops_test::for_each_bf16_way([&] {
     struct Cfg {
@@ -445,12 +446,14 @@ TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
         {"stride2 dilation2 pad2", {.stride = {2, 2}, .padding = {2, 2}, .dilation = {2, 2}}, 3, 32, 32, 13, 14, 3},
         {"stride(2,1) 5x5", {.stride = {2, 1}, .padding = {2, 1}}, 2, 8, 12, 11, 9, 5},
         {"1-channel stem", {.padding = {1, 1}}, 4, 1, 32, 12, 12, 3},
+        {"groups4 stride(2,1)", {.stride = {2, 1}, .padding = {1, 1}, .groups = 4}, 3, 16, 8, 9, 10, 3},
+        {"depthwise 5x5", {.padding = {2, 2}, .groups = 12}, 2, 12, 12, 10, 10, 5},
     };
     uint64_t seed = 1800;
     for (const Cfg& c : cfgs) {
       SCOPED_TRACE(c.name);
       Tensor x16 = leaf({c.N, c.C, c.H, c.W}, -1, 1, seed++, kBFloat16);
-      Tensor w16 = leaf({c.O, c.C, c.K, c.K}, -1, 1, seed++, kBFloat16);
+      Tensor w16 = leaf({c.O, c.C / c.o.groups, c.K, c.K}, -1, 1, seed++, kBFloat16);
       Tensor b16 = leaf({c.O}, -1, 1, seed++, kBFloat16);
       Tensor x64 = x16.detach().to(kFloat64), w64 = w16.detach().to(kFloat64), b64 = b16.detach().to(kFloat64);
       x64.requires_grad_(true), w64.requires_grad_(true), b64.requires_grad_(true);
@@ -463,7 +466,7 @@ TEST(ConvPrecision, Bf16GradientsMatchF64WithinAccumulationAndOneRounding) {
       Tensor ax = ops::abs(x64.detach()), aw = ops::abs(w64.detach());
       ax.requires_grad_(true), aw.requires_grad_(true);
       const V s_g = autograd::grad({ops::sum(ops::mul(ops::conv2d(ax, aw, Tensor(), c.o), ops::abs(gy64)))}, {ax, aw});
-      const double n_x = static_cast<double>(c.O * c.K * c.K);
+      const double n_x = static_cast<double>(c.O / c.o.groups * c.K * c.K);
       const double n_w = static_cast<double>(c.N * y64.size(2) * y64.size(3));
       auto bound = [](const Tensor& s, const Tensor& ref, double n) {
         const double g = n * kU32 / (1 - n * kU32);
