@@ -25,10 +25,10 @@ const Bf16Decision& first_decision() {
     const CpuFeatures& f = cpu_features();
     return decide_bf16_products(env != nullptr ? env : "", amx_bf16_usable(),
                                 f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16, [] {
-                                  // Interleaved, best of five each: a run slowed by another
+                                  // Interleaved, best of nine each (~2 ms): a run slowed by another
                                   // process does not decide.
                                   double fma = 0, dot = 0;
-                                  for (int rep = 0; rep < 5; ++rep) {
+                                  for (int rep = 0; rep < 9; ++rep) {
                                     fma = std::max(fma, measure_f32_fma_gflops(20'000, 1));
                                     dot = std::max(dot, measure_bf16_dot_gflops(20'000, 1));
                                   }
