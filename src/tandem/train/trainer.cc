@@ -512,9 +512,6 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   } else {
     prec.describe = prec.low == kBFloat16 ? "bf16 autocast" : "fp32";
   }
-  if (prec.low == kBFloat16) {  // which kernels multiply in bf16 here (kernels/cpu/bf16_products.h)
-    prec.describe += fmt::format(" (bf16 products {})", kernels::bf16_products_name(kernels::bf16_products()));
-  }
   std::shared_ptr<parallel::DistributedDataParallel> ddp;
   std::string ddp_describe;
   std::shared_ptr<parallel::PowerSGDState> powersgd;
@@ -610,7 +607,12 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
         "tandem train: {} ({} parameters) on {} ({} train examples), {} x {} micro-batch x {} accumulation = batch {}, "
         "{} steps, {}{}{}",
         cfg.model.name, model->num_parameters(), cfg.data.name, data.train->size(), world, cfg.train_micro_batch_size_per_gpu,
-        gas, cfg.train_batch_size, total_steps, prec.describe, ddp_describe,
+        gas, cfg.train_batch_size, total_steps,
+        // which kernels multiply in bf16 here (kernels/cpu/bf16_products.h)
+        prec.low == kBFloat16
+            ? fmt::format("{} (bf16 products {})", prec.describe, kernels::bf16_products_name(kernels::bf16_products()))
+            : prec.describe,
+        ddp_describe,
         resumed_from.empty() ? "" : fmt::format(", resumed from {} at step {}", resumed_from, step)));
   }
 

@@ -4,8 +4,9 @@
 //   amx      Tandem's AMX kernels (amx_gemm.h) for GEMM, attention tiles and the weight gradient
 //            of convolution; oneDNN's bf16 convolution for the rest. Where the CPU has AMX-BF16.
 //   native   oneDNN's bf16 matmul and convolution (its AVX512-BF16 kernels), attention tiles on
-//            VDPBF16PS (dpbf16_gemm.h). Where VDPBF16PS multiplies at least as fast as f32 FMAs:
-//            each does two products per lane, so on AMD Zen 4 it runs at twice the f32 rate.
+//            VDPBF16PS (dpbf16_gemm.h). Where VDPBF16PS multiplies at least 0.8x as fast as f32
+//            FMAs (flops per second): each does two products per lane, so on AMD Zen 4 it runs at
+//            twice the f32 rate, and at equal rates half the bytes and no widening pass still win.
 //   widened  operands widened to f32 (exact) and multiplied by the f32 kernels (dnnl_sgemm, oneDNN's
 //            f32 convolution, the f32 attention tiles), the result rounded once. Where the CPU has
 //            no AVX512-BF16, or where VDPBF16PS is slower than f32 FMAs: some Intel Xeons without
