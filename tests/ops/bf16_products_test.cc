@@ -91,10 +91,7 @@ TEST(Bf16Products, CorePeaksAreMeasured) {
 // Widened is its definition, bit for bit: matmul, linear (a transposed weight, an f32-added
 // bias) and conv2d with their gradients equal the f32 op on the bf16 values, rounded once to bf16.
 TEST(Bf16Products, WidenedIsTheF32OpOnTheSameValuesRoundedOnce) {
-  struct Restore {
-    Bf16Products chosen = kernels::bf16_products();
-    ~Restore() { kernels::set_bf16_products(chosen); }
-  } restore;
+  const ops_test::Bf16WayRestorer restore;
   kernels::set_bf16_products(Bf16Products::widened);
   auto pair = [](const Shape& s, uint64_t seed) {
     Tensor b16 = leaf(s, -1, 1, seed, kBFloat16);

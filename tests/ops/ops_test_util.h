@@ -58,15 +58,18 @@ inline std::vector<kernels::Bf16Products> bf16_ways_here() {
   return ways;
 }
 
+// Puts back, when it goes out of scope, the way bf16 products ran when it was made.
+struct Bf16WayRestorer {
+  kernels::Bf16Products chosen = kernels::bf16_products();
+  ~Bf16WayRestorer() { kernels::set_bf16_products(chosen); }
+};
+
 // Runs fn once per way of bf16_ways_here() with that way set (named by a SCOPED_TRACE), then
 // puts back the way the process had chosen: a test of bf16 arithmetic covers every kernel this
 // machine can run, not only the one it picked.
 template <class F>
 void for_each_bf16_way(F fn) {
-  struct Restore {
-    kernels::Bf16Products chosen = kernels::bf16_products();
-    ~Restore() { kernels::set_bf16_products(chosen); }
-  } restore;
+  const Bf16WayRestorer restore;
   for (const kernels::Bf16Products way : bf16_ways_here()) {
     SCOPED_TRACE(std::string("bf16 products: ") + kernels::bf16_products_name(way));
     kernels::set_bf16_products(way);

@@ -56,6 +56,19 @@ std::vector<std::vector<int64_t>> all_gather_i64(ProcessGroup& group, const std:
   return result;
 }
 
+std::vector<int> ranks_unlike_rank0(const std::vector<std::vector<int64_t>>& all, std::initializer_list<size_t> columns) {
+  std::vector<int> ranks;
+  for (size_t r = 1; r < all.size(); ++r) {
+    for (size_t k : columns) {
+      if (all[r][k] != all[0][k]) {
+        ranks.push_back(static_cast<int>(r));
+        break;
+      }
+    }
+  }
+  return ranks;
+}
+
 std::vector<LinesDifference> differences_from_rank0(ProcessGroup& group,
                                                     const std::vector<std::vector<std::string>>& lists) {
   std::vector<std::string> texts;
@@ -76,9 +89,7 @@ std::vector<LinesDifference> differences_from_rank0(ProcessGroup& group,
   std::vector<LinesDifference> out(lists.size());
   for (size_t k = 0; k < lists.size(); ++k) {
     LinesDifference& d = out[k];
-    for (int r = 1; r < group.size(); ++r) {
-      if (all[r][k] != all[0][k]) d.ranks.push_back(r);
-    }
+    d.ranks = ranks_unlike_rank0(all, {k});
     if (d.ranks.empty()) continue;
     const auto lines0 = split(broadcast_string(group, texts[k], 0));
     const auto lines_r = split(broadcast_string(group, texts[k], d.ranks.front()));

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,6 +28,9 @@ void print_rank0(const std::string& line);
 std::string broadcast_string(ProcessGroup& group, const std::string& mine, int root);
 // Collective: every rank's `mine` (the same length on every rank): result[r][i] is rank r's i-th.
 std::vector<std::vector<int64_t>> all_gather_i64(ProcessGroup& group, const std::vector<int64_t>& mine);
+// The ranks r >= 1 whose values in all_gather_i64's result `all` differ from rank 0's in any of
+// `columns`, in rank order (every rank computes the same list).
+std::vector<int> ranks_unlike_rank0(const std::vector<std::vector<int64_t>>& all, std::initializer_list<size_t> columns);
 // Where one rank's list of lines (a model's description, a config) first differs from rank 0's.
 struct LinesDifference {
   std::vector<int> ranks;       // the ranks whose list differs from rank 0's; empty: all agree

@@ -377,10 +377,7 @@ void DistributedDataParallel::check_replicas() {
   }
   const auto all = dist::all_gather_i64(*group_, sums);
   for (size_t i = 0; i < sums.size(); ++i) {
-    std::vector<int> bad;
-    for (int r = 1; r < group_->size(); ++r) {
-      if (all[r][i] != all[0][i]) bad.push_back(r);
-    }
+    const std::vector<int> bad = dist::ranks_unlike_rank0(all, {i});
     if (!bad.empty()) {
       throw ValueError(fmt::format(
           "check_replicas: {} differs between rank 0 and rank(s) {} (checksums {:016x} vs {:016x}); the replicas "

@@ -394,10 +394,7 @@ void check_same_data(dist::ProcessGroup& pg, const Config& cfg, const Data& data
   const auto [eval_n, eval_h] = data_fingerprint(*data.eval);
   const auto all = dist::all_gather_i64(pg, {train_n, train_h, eval_n, eval_h});
   for (size_t k : {size_t{0}, size_t{2}}) {
-    std::vector<int> differ;
-    for (int r = 1; r < pg.size(); ++r) {
-      if (all[r][k] != all[0][k] || all[r][k + 1] != all[0][k + 1]) differ.push_back(r);
-    }
+    const std::vector<int> differ = dist::ranks_unlike_rank0(all, {k, k + 1});
     if (differ.empty()) continue;
     const int first = differ.front();
     const std::string path0 = dist::broadcast_string(pg, cfg.data.path, 0);
@@ -420,10 +417,7 @@ void check_same_data(dist::ProcessGroup& pg, const Config& cfg, const Data& data
 // a collective mismatch only at the end. Every rank throws the same error naming both starts.
 void check_same_start(dist::ProcessGroup& pg, const std::string& resumed_from, int64_t step) {
   const auto all = dist::all_gather_i64(pg, {resumed_from.empty() ? -1 : step});
-  std::vector<int> differ;
-  for (int r = 1; r < pg.size(); ++r) {
-    if (all[r][0] != all[0][0]) differ.push_back(r);
-  }
+  const std::vector<int> differ = dist::ranks_unlike_rank0(all, {0});
   if (differ.empty()) return;
   const int first = differ.front();
   const std::string from0 = dist::broadcast_string(pg, resumed_from, 0);

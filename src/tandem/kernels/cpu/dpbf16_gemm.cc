@@ -9,7 +9,6 @@
 
 #include "tandem/core/convert.h"
 #include "tandem/core/cpu_features.h"
-#include "tandem/kernels/cpu/amx_gemm.h"
 #include "tandem/kernels/cpu/bf16_products.h"
 #include "tandem/kernels/cpu/acc_block.h"
 #include "tandem/kernels/cpu/transpose16.h"
