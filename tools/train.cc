@@ -1,12 +1,14 @@
 // tandem train: the config-driven training job (src/tandem/train/trainer.h). Runs alone or under
 // `tandem run` / mpirun / srun (the launch environment gives the world size). Only argument
 // parsing lives here; errors become a message and an exit code.
+#include <pthread.h>
 #include <signal.h>
 
 #include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tandem/core/error.h"
@@ -46,17 +48,36 @@ constexpr const char* kUsage =
     "a second one kills at once.\n";
 
 // SIGTERM / SIGINT: the first asks the trainer to checkpoint and stop after the current step; a
-// second one kills the process (the default action).
+// second one terminates the process (the default action). They are taken by a thread of their own
+// with sigwait(), never by a handler: a handler runs on the stack of whichever thread the signal
+// interrupts, and Debian's oneDNN 2.6 AVX-512 sgemm keeps data below its stack pointer, so a
+// signal landing inside dnnl_sgemm corrupted the heap ("corrupted size vs. prev_size": 1 stop in
+// ~10 of a widened-bf16 run; a loop of sgemm calls under a 37 us timer aborts at once, and runs
+// clean with the handler on an alternate stack or with oneDNN held to AVX2).
 std::atomic<bool> g_stop{false};
 std::atomic<int> g_signal{0};
 
-void on_signal(int sig) {
-  if (g_stop.exchange(true)) {
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-    return;
-  }
-  g_signal.store(sig);
+// Blocks SIGTERM and SIGINT in the calling thread, so in every thread started after it (call it
+// before any), and starts the thread that waits for them.
+void take_stop_signals_on_a_thread() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([set] {
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&set, &sig) != 0) continue;
+      if (g_stop.exchange(true)) {
+        ::signal(sig, SIG_DFL);
+        pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
+        ::raise(sig);
+        return;
+      }
+      g_signal.store(sig);
+    }
+  }).detach();
 }
 
 std::string stem(const std::string& path) {
@@ -68,6 +89,7 @@ std::string stem(const std::string& path) {
 }  // namespace
 
 int train_main(int argc, char** argv) try {
+  take_stop_signals_on_a_thread();  // first: before any other thread starts
   std::string config_path, out_dir, summary_path;
   std::vector<std::string> sets;
   train::TrainerOptions opts;
@@ -111,11 +133,6 @@ int train_main(int argc, char** argv) try {
     return 0;
   }
   opts.out_dir = !out_dir.empty() ? out_dir : "runs/" + (config_path.empty() ? std::string("default") : stem(config_path));
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGTERM, &sa, nullptr);
-  ::sigaction(SIGINT, &sa, nullptr);
   opts.stop_requested = &g_stop;
   const train::TrainSummary s = train::run_training(cfg, opts);
   if (!summary_path.empty() && std::max(0, env.rank) == 0) {

@@ -169,6 +169,49 @@ TEST(TrainCli, SigtermCheckpointsStopsAndResumesBitwise) {
   expect_same_checkpoint(straight + "/checkpoints/step_00000060", stopped + "/checkpoints/step_00000060");
 }
 
+// SIGTERM and SIGINT reach tandem train through a thread waiting in sigwait, never through a
+// handler (tools/train.cc: a handler interrupting oneDNN's AVX-512 sgemm corrupted the heap): while
+// it trains, no handler is installed for them and every thread but the waiting one blocks them.
+TEST(TrainCli, StopSignalsAreTakenByAThreadNotAHandler) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 100000, 0), out = dir.path() + "/run";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::setenv("TANDEM_NUM_THREADS", "1", 1);
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    ::dup2(devnull, 1);
+    ::dup2(devnull, 2);
+    ::execl(kCli.c_str(), kCli.c_str(), "train", "--config", cfg.c_str(), "--out", out.c_str(), nullptr);
+    ::_exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && !fs::exists(out + "/metrics.jsonl"))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const uint64_t stop_bits = (1ull << (SIGTERM - 1)) | (1ull << (SIGINT - 1));
+  int threads = 0, open_to_them = 0;
+  for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("SigBlk:", 0) == 0 && (std::stoull(line.substr(7), nullptr, 16) & stop_bits) != stop_bits) {
+        ++open_to_them;  // (the waiter shows them unblocked while it sits in sigwait)
+      }
+      if (line.rfind("SigCgt:", 0) == 0) {
+        EXPECT_EQ(std::stoull(line.substr(7), nullptr, 16) & stop_bits, 0u) << task.path() << " " << line;
+      }
+    }
+    ++threads;
+  }
+  EXPECT_GE(threads, 2);  // the training thread and the one waiting for the signals
+  EXPECT_EQ(open_to_them, 1) << "only the waiting thread may take SIGTERM / SIGINT";
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  EXPECT_TRUE(latest_checkpoint(out + "/checkpoints").has_value());
+}
+
 TEST(TrainCli, TwoProcessesResumeBitwiseAndMatchOneProcess) {
   tandem::testing::TempDir dir;
   const std::string cfg = write_config(dir.path(), 8, 4);
