@@ -8,7 +8,9 @@
 // main-thread vs other-thread (progress thread) CPU time, and the time inside oneDNN GEMM and
 // convolution calls (kernel_timing.h). DDP options other than PyTorch's
 // defaults (--bucket-cap-mb, --first-bucket-mb, --gradient-as-bucket-view, --delay-allreduce)
-// are for profiling; run_ddp_bench.sh uses the defaults on both sides.
+// are for profiling; run_ddp_bench.sh uses the defaults on both sides. --fused-optimizer steps the
+// optimizer inside backward, bucket by bucket (DistributedDataParallel::register_fused_optimizer;
+// torch's _register_fused_optim): run_ddp_bench.sh's extra "fused" rows.
 #include <sched.h>
 
 #include <cstdio>
@@ -37,6 +39,7 @@ struct Args : td::bench::CommonArgs {
   std::string comm_hook = "none";
   int64_t powersgd_rank = 1;
   bool sync_bn = false;  // W2: every BatchNorm a SyncBatchNorm over the group
+  bool fused_optimizer = false;
 };
 
 struct Phases {
@@ -75,7 +78,7 @@ void run_rank(const Args& a) {
   if (float_progress) bind_to_core(group->rank());
   td::manual_seed(0);
   std::shared_ptr<td::nn::Module> model;
-  std::unique_ptr<td::optim::Optimizer> opt;
+  std::shared_ptr<td::optim::Optimizer> opt;
   std::vector<Tensor> xs, ys;
   td::Generator gen(100 + group->rank());
   const bool gpt = a.workload == "w3";
@@ -124,11 +127,12 @@ void run_rank(const Args& a) {
     throw td::ValueError(fmt::format("--comm-hook must be none, fp16, bf16, noop, powersgd or localsgd, got '{}'", a.comm_hook));
   }
   if (a.workload == "w1") {
-    opt = std::make_unique<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+    opt = std::make_shared<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
   } else {
-    opt = std::make_unique<td::optim::AdamW>(model->parameters(), td::optim::AdamOptions{.lr = 1e-3});
+    opt = std::make_shared<td::optim::AdamW>(model->parameters(), td::optim::AdamOptions{.lr = 1e-3});
   }
   ddp.attach_optimizer(opt.get());  // check_replicas compares the optimizer state too
+  if (a.fused_optimizer) ddp.register_fused_optimizer(opt);
   const bool bf16 = a.dtype == "bf16";
   size_t next = 0;
   // --phases: per-rank wall split of the step, the main thread's CPU time and the reducer's
@@ -149,7 +153,7 @@ void run_rank(const Args& a) {
     const auto t1 = td::bench::Clock::now();
     loss.backward();
     const auto t2 = td::bench::Clock::now();
-    opt->step();
+    if (!a.fused_optimizer) opt->step();
     if (averager) averager->average_parameters(model->parameters());
     if (a.phases) {
       ph.forward += std::chrono::duration<double>(t1 - t0).count();
@@ -199,9 +203,10 @@ void run_rank(const Args& a) {
     const double samples = static_cast<double>(n * B * group->size());
     std::printf(
         "{\"impl\":\"tandem\",\"workload\":\"%s\",\"dtype\":\"%s\",\"nproc\":%d,\"per_rank_batch\":%lld,\"steps\":%lld,"
-        "\"samples_per_s\":%.2f,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"cpu_step_ms\":%.3f}\n",
+        "\"samples_per_s\":%.2f,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"cpu_step_ms\":%.3f,\"fused_optimizer\":%s}\n",
         a.workload.c_str(), bf16 ? "bf16" : "f32", group->size(), static_cast<long long>(B), static_cast<long long>(n),
-        samples / wall, gpt ? samples * 128 / wall : 0.0, 1e3 * wall / n, 1e3 * cpu / n);
+        samples / wall, gpt ? samples * 128 / wall : 0.0, 1e3 * wall / n, 1e3 * cpu / n,
+        a.fused_optimizer ? "true" : "false");
     std::fflush(stdout);
   }
   td::dist::destroy_process_group();
@@ -217,7 +222,7 @@ int main(int argc, char** argv) try {
                         "ddp_step_bench [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B] "
                         "[--seconds S] [--min-steps N] [--warmup W] [--phases] [--bucket-cap-mb MB] [--first-bucket-mb MB] "
                         "[--gradient-as-bucket-view] [--delay-allreduce] [--deterministic] [--check-replicas-every N] [--comm-hook none|fp16|bf16|noop|powersgd|localsgd] "
-                        "[--powersgd-rank R] [--sync-bn]",
+                        "[--powersgd-rank R] [--sync-bn] [--fused-optimizer]",
                         [&](const std::string& k, auto value) {
                           if (k == "--workload") a.workload = value();
                           else if (k == "--nproc") a.nproc = std::stoi(value());
@@ -231,6 +236,7 @@ int main(int argc, char** argv) try {
                           else if (k == "--comm-hook") a.comm_hook = value();
                           else if (k == "--powersgd-rank") a.powersgd_rank = std::stoll(value());
                           else if (k == "--sync-bn") a.sync_bn = true;
+                          else if (k == "--fused-optimizer") a.fused_optimizer = true;
                           else return false;
                           return true;
                         });

@@ -140,6 +140,10 @@ double GradScaler::get_scale() const { return enabled_ ? static_cast<double>(rul
 
 void GradScaler::unscale_(optim::Optimizer& optimizer) {
   if (!enabled_) return;
+  TANDEM_CHECK(optimizer.stepped_by().empty(), Error,
+               "GradScaler.unscale_: optimizer {} is stepped by {} inside backward, before any unscale could happen; "
+               "with a GradScaler (fp16), step the optimizer yourself (do not register it as DDP's fused optimizer)",
+               optimizer.name(), optimizer.stepped_by());
   TANDEM_CHECK(!is_amp_managed(optimizer), Error,
                "GradScaler.unscale_: optimizer {} is managed by amp::initialize, which scales its loss itself; use "
                "amp::scale_loss(loss, optimizer) with it, or drop amp::initialize and keep this GradScaler",
@@ -178,6 +182,11 @@ bool GradScaler::step(optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
+  TANDEM_CHECK(optimizer.stepped_by().empty(), Error,
+               "GradScaler.step: optimizer {} is stepped by {} inside backward, before the scaler could unscale the "
+               "gradients and check them for inf/nan; with a GradScaler (fp16), step the optimizer yourself (do not "
+               "register it as DDP's fused optimizer)",
+               optimizer.name(), optimizer.stepped_by());
   TANDEM_CHECK(!is_amp_managed(optimizer), Error,
                "GradScaler.step: optimizer {} is managed by amp::initialize; mixing it with a manual GradScaler "
                "scales gradients twice. Use amp::scale_loss(loss, optimizer), or drop amp::initialize",

@@ -42,7 +42,7 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::mo
 //   m = m * beta1 + (1 - beta1) * g;  v = v * beta2 + (1 - beta2) * g * g
 //   denom = sqrt(amsgrad ? max(vmax, v) : v) / sqrt(1 - beta2^t) + eps
 //   p += -(lr / (1 - beta1^t)) * m / denom
-void Adam::step() {
+void Adam::update() {
   NoGradGuard no_grad;
   std::vector<kernels::AdamTensor> fused;    // f32 parameters, updated together at the end
   std::vector<Tensor> keep_alive;           // gradients converted for the fused pass
@@ -132,7 +132,6 @@ void Adam::step() {
     }
   }
   if (!fused.empty()) kernels::adam_update_multi_f32(fused);
-  run_step_post_hooks();
 }
 
 }  // namespace tandem::optim

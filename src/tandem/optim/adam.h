@@ -22,9 +22,9 @@ class Adam : public Optimizer {
  public:
   Adam(std::vector<Tensor> params, AdamOptions options = {});
   Adam(std::vector<ParamGroup> groups, AdamOptions options = {});
-  void step() override;
 
  protected:
+  void update() override;
   Adam(std::vector<ParamGroup> groups, AdamOptions options, std::string name, bool decoupled);
 
  private:

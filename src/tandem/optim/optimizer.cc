@@ -55,6 +55,51 @@ double Optimizer::option(const ParamGroup& g, const std::string& key) const {
   return it->second;
 }
 
+void Optimizer::step() {
+  TANDEM_CHECK(stepped_by_.empty(), Error,
+               "{}.step(): this optimizer is stepped by {} (inside backward, bucket by bucket); calling step() too "
+               "would update the parameters twice. Drop the step() call (and GradScaler/clip_grad_norm_ around it: "
+               "a fused optimizer cannot be unscaled or clipped first)",
+               name_, stepped_by_);
+  update();
+  run_step_post_hooks();
+}
+
+void Optimizer::step_subset(const std::vector<Tensor>& params) {
+  std::set<const TensorImpl*> wanted;
+  for (const Tensor& p : params) wanted.insert(&p.impl());
+  std::vector<std::vector<Tensor>> all;
+  all.reserve(groups_.size());
+  size_t found = 0;
+  for (auto& g : groups_) {
+    std::vector<Tensor> some;
+    for (const Tensor& p : g.params) {
+      if (wanted.count(&p.impl())) some.push_back(p);
+    }
+    found += some.size();
+    all.push_back(std::move(g.params));
+    g.params = std::move(some);
+  }
+  // The groups get their own lists back however update() ends.
+  struct Restore {
+    std::vector<ParamGroup>& groups;
+    std::vector<std::vector<Tensor>>& all;
+    ~Restore() {
+      for (size_t i = 0; i < groups.size(); ++i) groups[i].params = std::move(all[i]);
+    }
+  } restore{groups_, all};
+  if (found != wanted.size()) {
+    for (const Tensor& p : params) {
+      bool mine = false;
+      for (const auto& a : all)
+        for (const Tensor& q : a) mine = mine || &q.impl() == &p.impl();
+      TANDEM_CHECK(mine, ValueError, "{}.step_subset: parameter \"{}\" ({}) is not one of this optimizer's", name_,
+                   p.name(), shape_str(p.shape()));
+    }
+  }
+  update();
+}
+
 int64_t Optimizer::register_step_post_hook(std::function<void(Optimizer&)> hook) {
   step_post_hooks_.emplace(next_hook_, std::move(hook));
   return next_hook_++;

@@ -32,8 +32,22 @@ class Optimizer {
   Optimizer(std::vector<ParamGroup> groups, Options defaults, std::string name);
   virtual ~Optimizer() = default;
 
-  // One update of every parameter that has a gradient.
-  virtual void step() = 0;
+  // One update of every parameter that has a gradient, then the step post hooks. An optimizer
+  // registered with DistributedDataParallel::register_fused_optimizer steps inside backward
+  // instead: calling step() on it throws Error.
+  void step();
+  // The update step() makes, of `params` only (each one of this optimizer's parameters, in any
+  // group; ValueError otherwise), without the step post hooks: DDP's fused optimizer steps bucket
+  // by bucket as their all-reduces complete, then runs run_step_post_hooks() once. Each
+  // parameter's update depends on its own gradient and state only, so stepping every parameter
+  // once this way equals one step().
+  void step_subset(const std::vector<Tensor>& params);
+  void run_step_post_hooks();
+
+  // Who steps this optimizer instead of step() ("" = the caller); set by
+  // DistributedDataParallel::register_fused_optimizer, cleared when that DDP is destroyed.
+  void set_stepped_by(std::string owner) { stepped_by_ = std::move(owner); }
+  const std::string& stepped_by() const { return stepped_by_; }
   // Drops (set_to_none, the default, as in PyTorch 2) or zeroes every gradient.
   void zero_grad(bool set_to_none = true);
 
@@ -58,8 +72,8 @@ class Optimizer {
   // Per-parameter state, created empty on first use.
   std::map<std::string, Tensor>& state_of(const Tensor& param);
   double option(const ParamGroup& g, const std::string& key) const;
-  // Every step() implementation calls this last.
-  void run_step_post_hooks();
+  // The update of every parameter of param_groups() that has a gradient (step() and step_subset).
+  virtual void update() = 0;
 
  private:
   std::string name_;
@@ -68,6 +82,7 @@ class Optimizer {
   std::map<const TensorImpl*, std::map<std::string, Tensor>> state_;
   std::map<int64_t, std::function<void(Optimizer&)>> step_post_hooks_;
   int64_t next_hook_ = 0;
+  std::string stepped_by_;
 };
 
 }  // namespace tandem::optim

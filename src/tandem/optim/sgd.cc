@@ -28,7 +28,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options) : SGD(std::vector<Param
 
 SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options) : Optimizer(std::move(groups), to_options(options), "SGD") {}
 
-void SGD::step() {
+void SGD::update() {
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
     const double lr = option(group, "lr"), momentum = option(group, "momentum");
@@ -81,7 +81,6 @@ void SGD::step() {
       });
     }
   }
-  run_step_post_hooks();
 }
 
 }  // namespace tandem::optim

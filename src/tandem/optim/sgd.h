@@ -21,7 +21,9 @@ class SGD : public Optimizer {
   // For each parameter with a gradient:
   //   d = g + wd * p;  buf = momentum * buf + (1 - dampening) * d  (buf = d on the first step);
   //   d = nesterov ? d + momentum * buf : buf;  p -= lr * d.
-  void step() override;
+
+ protected:
+  void update() override;
 };
 
 }  // namespace tandem::optim

@@ -112,7 +112,66 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   reducer_ = Reducer::create(std::move(trainable), group_, ro);
 }
 
-DistributedDataParallel::~DistributedDataParallel() = default;
+DistributedDataParallel::~DistributedDataParallel() {
+  if (fused_optimizer_) {
+    reducer_->set_bucket_done(nullptr);
+    fused_optimizer_->set_stepped_by("");
+  }
+}
+
+void DistributedDataParallel::register_fused_optimizer(std::shared_ptr<optim::Optimizer> optimizer) {
+  TANDEM_CHECK(optimizer != nullptr, ValueError, "DistributedDataParallel::register_fused_optimizer: got a null optimizer");
+  TANDEM_CHECK(fused_optimizer_ == nullptr, ValueError,
+               "DistributedDataParallel::register_fused_optimizer: this DDP already steps a {} in backward; one "
+               "optimizer per DDP (put several parameter groups into it instead)",
+               fused_optimizer_ ? fused_optimizer_->name() : "");
+  TANDEM_CHECK(optimizer->stepped_by().empty(), ValueError,
+               "DistributedDataParallel::register_fused_optimizer: this {} is already stepped by {}", optimizer->name(),
+               optimizer->stepped_by());
+  // Which of the reduced parameters (the reducer's indices) the optimizer holds.
+  const Reducer& r = *reducer_;
+  std::map<const TensorImpl*, int64_t> index;
+  for (int64_t i = 0; i < r.num_parameters(); ++i) index.emplace(&r.parameter(i).impl(), i);
+  auto held = std::make_shared<std::vector<char>>(static_cast<size_t>(r.num_parameters()), 0);
+  for (const auto& g : optimizer->param_groups()) {
+    for (const Tensor& p : g.params) {
+      auto it = index.find(&p.impl());
+      if (it != index.end()) {
+        (*held)[static_cast<size_t>(it->second)] = 1;
+        continue;
+      }
+      // A frozen parameter of the module gets no gradient, so step() would not update it either.
+      std::string which = p.name().empty() ? "" : " \"" + p.name() + "\"";
+      bool frozen = false;
+      for (const auto& [name, t] : module_->named_parameters()) {
+        if (&t.impl() != &p.impl()) continue;
+        frozen = ignored_.count(name) == 0 && !t.requires_grad();
+        which = fmt::format(" '{}' ({})", name, ignored_.count(name) ? "in params_and_buffers_to_ignore" : "frozen");
+      }
+      if (frozen) continue;
+      throw ValueError(fmt::format(
+          "DistributedDataParallel::register_fused_optimizer: the {}'s parameter{} of shape {} is not one this DDP "
+          "reduces, so no bucket would step it. A fused optimizer must hold only the wrapped module's trained "
+          "parameters (not another module's, an ignored one, or amp O2's f32 master copies: with O2, call "
+          "optimizer.step() after backward instead)",
+          optimizer->name(), which, shape_str(p.shape())));
+    }
+  }
+  optimizer->set_stepped_by("DistributedDataParallel (register_fused_optimizer)");
+  fused_optimizer_ = optimizer;
+  if (optimizer_ == nullptr) optimizer_ = optimizer.get();
+  optim::Optimizer* opt = optimizer.get();
+  const Reducer* rp = reducer_.get();
+  reducer_->set_bucket_done([opt, rp, held](const std::vector<int64_t>& params, bool last) {
+    std::vector<Tensor> mine;
+    mine.reserve(params.size());
+    for (int64_t i : params) {
+      if ((*held)[static_cast<size_t>(i)]) mine.push_back(rp->parameter(i));
+    }
+    if (!mine.empty()) opt->step_subset(mine);
+    if (last) opt->run_step_post_hooks();
+  });
+}
 
 nn::NamedTensors DistributedDataParallel::without_ignored(nn::NamedTensors tensors) const {
   if (!ignored_.empty()) std::erase_if(tensors, [&](const auto& nt) { return ignored_.count(nt.first) != 0; });

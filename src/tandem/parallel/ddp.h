@@ -142,6 +142,30 @@ class DistributedDataParallel : public nn::Module {
 
   // The optimizer whose state check_replicas compares too.
   void attach_optimizer(const optim::Optimizer* optimizer) { optimizer_ = optimizer; }
+
+  // The optimizer step moves into backward (torch's DistributedDataParallel._register_fused_optim):
+  // in every synchronized backward, as soon as a bucket's all-reduce has completed, `optimizer`
+  // updates that bucket's parameters (Optimizer::step_subset) while the later buckets' all-reduces
+  // still run; its step post hooks run once, after the last bucket. The update fills time that
+  // was spent waiting for communication, and reads each gradient right after the all-reduce wrote
+  // it. The result equals backward then optimizer.step(), bit for bit (each parameter's update
+  // reads only its own averaged gradient and state). After backward returns, grad() holds the
+  // averaged gradients (zero_grad() as before) and the parameters are updated: do not call
+  // optimizer.step() (it throws Error, as do GradScaler's step and unscale_ on it). So nothing
+  // that must see every gradient before the update fits: clip_grad_norm_ (a norm computed after
+  // backward is still right, but clipping comes too late), a GradScaler's unscale and inf/nan
+  // check (fp16). no_sync backwards do not step (the synchronized one after them steps on the
+  // sum); a rank inside join whose inputs ran out does not step. With find_unused_parameters or
+  // static_graph, and in the deterministic mode, the buckets are stepped after the last
+  // all-reduce (no overlap): only then are the used parameters known. Every parameter of
+  // `optimizer` must be one this DDP reduces or a frozen one of the module (never stepped: it gets
+  // no gradient), else ValueError naming the first that is not (another module's, one in
+  // params_and_buffers_to_ignore, amp O2's f32 master copy of one); DDP's parameters that the
+  // optimizer does not hold are reduced and left alone. The optimizer is also attached for
+  // check_replicas. One per DDP and one DDP per optimizer; DDP keeps it alive and, when DDP is
+  // destroyed, gives step() back to the caller.
+  void register_fused_optimizer(std::shared_ptr<optim::Optimizer> optimizer);
+  const std::shared_ptr<optim::Optimizer>& fused_optimizer() const { return fused_optimizer_; }
   // Compares checksums of every parameter (and the attached optimizer's state) across ranks;
   // throws ValueError naming the first tensor that differs and the ranks that disagree with rank 0.
   // Collective: every rank must call it.
@@ -176,6 +200,7 @@ class DistributedDataParallel : public nn::Module {
   bool require_forward_param_sync_ = true;
   int64_t forwards_ = 0;
   const optim::Optimizer* optimizer_ = nullptr;
+  std::shared_ptr<optim::Optimizer> fused_optimizer_;
   bool join_active_ = false;  // inside join(): forwards take part in join rounds
   JoinOptions join_options_;
 };

@@ -467,6 +467,13 @@ void Reducer::finalize() {
   }
   if (options_.delay_allreduce) launch_ready_buckets();
 
+  // With bucket_done_ (DDP's fused optimizer) each bucket goes to grad() (hand_over) and to
+  // bucket_done_ as soon as it completed, unless the parameters some rank used are only known
+  // after the last one; otherwise all go after the last one (a failed collective leaves grad()
+  // alone).
+  const bool find_used = options_.find_unused_parameters || options_.static_graph;
+  const bool per_bucket = bucket_done_ && !find_used;
+  std::vector<uint8_t> globally_used(params_.size(), 1);
   // Join with divide_by_initial_world_size=false: the default hook averaged over the world; the
   // ranks still training are fewer.
   const double rescale = !hook_ && !local_only_ && join_divisor_ > 0 && join_divisor_ < group_->size()
@@ -479,6 +486,10 @@ void Reducer::finalize() {
       if (b.result.then) b.result.then();
       if (rescale != 1.0) b.flat.mul_(rescale);
       timings_[bi].done_s = now_s();
+      if (per_bucket) {
+        hand_over(static_cast<int64_t>(bi), globally_used);
+        bucket_done_(b.params, bi + 1 == buckets_.size());
+      }
     }
   } catch (const dist::CommError& e) {
     drain();
@@ -495,8 +506,7 @@ void Reducer::finalize() {
   }
 
   // Which parameters some rank used: a parameter unused everywhere keeps no gradient (as in PyTorch).
-  std::vector<uint8_t> globally_used(params_.size(), 1);
-  if (options_.find_unused_parameters || options_.static_graph) {
+  if (find_used) {
     for (size_t i = 0; i < params_.size(); ++i) globally_used[i] = static_cast<uint8_t>(locally_used_[i] || used_before[i]);
     if (group_->size() > 1) {
       Tensor used = tensor(std::vector<double>(globally_used.begin(), globally_used.end()),
@@ -505,41 +515,47 @@ void Reducer::finalize() {
       std::copy_n(used.data_ptr<uint8_t>(), params_.size(), globally_used.begin());
     }
   }
-
-  // The averaged values into grad(). Without bucket views, a gradient that nothing but its
-  // parameter holds (the usual case: zero_grad() set it to none and this backward created it) is
-  // replaced by its slot instead of copied into, and the bucket moves to other memory before the
-  // next iteration, so that grad() never aliases a live bucket: what a bucket view would give,
-  // without its aliasing, and one pass over the gradients less. A gradient held elsewhere too (a
-  // user's reference or view, or zero_grad(set_to_none=false) keeping it) is copied into, as in
-  // PyTorch.
-  NoGradGuard no_grad;
-  for (int64_t bi = 0; bi < static_cast<int64_t>(buckets_.size()); ++bi) {
-    Bucket& b = buckets_[bi];
-    bool handed_over = false;
-    for (int64_t i : b.params) {
-      Param& p = params_[i];
-      if (!globally_used[i]) continue;
-      if (!reads_slots()) continue;  // grad() already is the result
-      Tensor s = slot(i);
-      Tensor g = p.tensor.grad();
-      const bool in_slot = lies_in(g, s);
-      if (options_.gradient_as_bucket_view) {
-        if (!in_slot) p.tensor.set_grad(s);
-      } else if (in_slot) {
-        handed_over = true;  // produced in its slot (gradient destination): it keeps the memory
-      } else if (g.defined() && !(g.impl_ptr().use_count() == 2 && g.storage().use_count() == 1)) {
-        g.copy_(s);  // also referenced elsewhere: keep its identity
-      } else {
-        p.tensor.set_grad(s);
-        handed_over = true;
-      }
+  if (!per_bucket) {
+    for (int64_t bi = 0; bi < static_cast<int64_t>(buckets_.size()); ++bi) hand_over(bi, globally_used);
+    for (size_t bi = 0; bi < buckets_.size() && bucket_done_; ++bi) {
+      bucket_done_(buckets_[bi].params, bi + 1 == buckets_.size());
     }
-    if (handed_over) replace_bucket_memory(bi);
   }
 
   if (!rebuilt_) rebuild_buckets();
   ++iteration_;
+}
+
+// The averaged values into grad(). Without bucket views, a gradient that nothing but its
+// parameter holds (the usual case: zero_grad() set it to none and this backward created it) is
+// replaced by its slot instead of copied into, and the bucket moves to other memory before the
+// next iteration, so that grad() never aliases a live bucket: what a bucket view would give,
+// without its aliasing, and one pass over the gradients less. A gradient held elsewhere too (a
+// user's reference or view, or zero_grad(set_to_none=false) keeping it) is copied into, as in
+// PyTorch.
+void Reducer::hand_over(int64_t bi, const std::vector<uint8_t>& globally_used) {
+  if (!reads_slots()) return;  // grad() already is the result
+  NoGradGuard no_grad;
+  Bucket& b = buckets_[bi];
+  bool handed_over = false;
+  for (int64_t i : b.params) {
+    Param& p = params_[i];
+    if (!globally_used[i]) continue;
+    Tensor s = slot(i);
+    Tensor g = p.tensor.grad();
+    const bool in_slot = lies_in(g, s);
+    if (options_.gradient_as_bucket_view) {
+      if (!in_slot) p.tensor.set_grad(s);
+    } else if (in_slot) {
+      handed_over = true;  // produced in its slot (gradient destination): it keeps the memory
+    } else if (g.defined() && !(g.impl_ptr().use_count() == 2 && g.storage().use_count() == 1)) {
+      g.copy_(s);  // also referenced elsewhere: keep its identity
+    } else {
+      p.tensor.set_grad(s);
+      handed_over = true;
+    }
+  }
+  if (handed_over) replace_bucket_memory(bi);
 }
 
 void Reducer::rebuild_buckets() {
@@ -660,6 +676,9 @@ void Reducer::finalize_deterministic() {
     off += n;
   }
   ++iteration_;
+  for (size_t bi = 0; bi < buckets_.size() && bucket_done_; ++bi) {
+    bucket_done_(buckets_[bi].params, bi + 1 == buckets_.size());
+  }
 }
 
 // ---- communication hooks ----

@@ -87,6 +87,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void register_comm_hook(CommHook hook);
 
+  // Called once per bucket in each synchronized backward, with the bucket's parameter indices
+  // (into the constructor's list), once their averaged gradients are in grad(): as soon as that
+  // bucket's collective completed, while the later buckets' still run; with
+  // find_unused_parameters or static_graph (whose map of used parameters is reduced after every
+  // bucket) and in the deterministic mode, for every bucket after the last one completed.
+  // `last`: the iteration's last call. Not called for no_sync backwards or a joined rank's shadow
+  // backward. DDP's fused optimizer steps there. An exception from it, or a failed collective
+  // after it ran for some buckets, ends backward with those buckets handed over (and stepped),
+  // the others waited for and not.
+  using BucketDone = std::function<void(const std::vector<int64_t>& params, bool last)>;
+  void set_bucket_done(BucketDone fn) { bucket_done_ = std::move(fn); }
+
   // ---- join (DistributedDataParallel::join) ----
   // The default hook's average in the coming synchronized backwards is over `ranks` ranks instead
   // of the world size (the world's sum divided by `ranks`); 0 restores the world size.
@@ -95,6 +107,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // issues after their hooks (each bucket's, through the hook, on zeros; the unused-parameter map;
   // the one-time rebuild), in the same order. Leaves this rank's gradients alone.
   void shadow_backward();
+
+  // The parameters (the constructor's list): indices in bucket_indices() and BucketDone refer to it.
+  int64_t num_parameters() const { return static_cast<int64_t>(params_.size()); }
+  const Tensor& parameter(int64_t i) const { return params_.at(static_cast<size_t>(i)).tensor; }
+  const std::string& parameter_name(int64_t i) const { return params_.at(static_cast<size_t>(i)).name; }
 
   // The layout: bucket b holds these parameter indices (into the constructor's list), in order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
@@ -155,6 +172,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // the registered hook, with the parameters' names and gradient views, or the default all-reduce.
   HookResult start_collective(int64_t bi, const Tensor& buffer);
   void finalize();
+  // Puts bucket `bi`'s averaged values into its parameters' grad() (see finalize), leaving out
+  // the parameters no rank used.
+  void hand_over(int64_t bi, const std::vector<uint8_t>& globally_used);
   void finalize_deterministic();
   // The one-time rebuild in rank 0's ready order (a collective: a broadcast from rank 0).
   void rebuild_buckets();
@@ -167,6 +187,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ReducerOptions options_;
   std::vector<Bucket> buckets_;
   CommHook hook_;
+  BucketDone bucket_done_;
 
   // ---- per-iteration state ----
   bool expect_backward_ = false;   // prepare_for_backward armed the hooks
