@@ -238,6 +238,25 @@ TEST(TrainCli, TwoProcessesResumeBitwiseAndMatchOneProcess) {
   EXPECT_NEAR(l2[0], l1[0], 1e-6 * std::abs(l1[0]));
 }
 
+// ddp.fused_optimizer: the optimizer steps inside backward, bucket by bucket; the run's weights
+// and optimizer state equal the plain run's bit for bit (bf16 autocast, AdamW with warmup-cosine,
+// 2 micro-batches per step so that a no_sync backward comes first), and resuming it is bitwise.
+TEST(TrainCli, FusedOptimizerTwoProcessesEqualThePlainRunBitwise) {
+  tandem::testing::TempDir dir;
+  const std::string cfg = write_config(dir.path(), 6, 3);
+  const std::string launch = kCli + " run --nproc-per-node 2 " + kCli + " train --config " + cfg +
+                             " --set train_micro_batch_size_per_gpu=2 --set ddp.bucket_cap_mb=0.01";
+  const std::string plain = dir.path() + "/plain", fused = dir.path() + "/fused", resumed = dir.path() + "/resumed";
+  std::string out;
+  ASSERT_EQ(run(launch + " --out " + plain, &out), 0) << out;
+  ASSERT_EQ(run(launch + " --set ddp.fused_optimizer=true --out " + fused, &out), 0) << out;
+  EXPECT_NE(out.find("optimizer fused into backward"), std::string::npos) << out;
+  expect_same_checkpoint(plain + "/checkpoints/step_00000006", fused + "/checkpoints/step_00000006");
+  ASSERT_EQ(run(launch + " --set ddp.fused_optimizer=true --out " + resumed + " --stop-after 3", &out), 0) << out;
+  ASSERT_EQ(run(launch + " --set ddp.fused_optimizer=true --out " + resumed + " --resume auto", &out), 0) << out;
+  expect_same_checkpoint(plain + "/checkpoints/step_00000006", resumed + "/checkpoints/step_00000006");
+}
+
 // A checkpoint written by 2 processes resumes on 1 at the same sample of the epoch: micro-batch 2
 // is 2 micro-batches per rank per step on 2 ranks and 4 on one, so the saved position (8 per-rank
 // micro-batches after 4 steps) is converted through the sample count (32), not reused (which

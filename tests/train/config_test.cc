@@ -443,6 +443,32 @@ TEST(Config, CrossFieldChecks) {
   EXPECT_NE(error_of([&] { parse_config(j); }).find("both 0"), std::string::npos);
 }
 
+// ddp.fused_optimizer steps inside backward: whatever needs every gradient before the step is
+// refused, naming both keys.
+TEST(Config, FusedOptimizerRefusesWhatNeedsEveryGradientFirst) {
+  json j = base();
+  EXPECT_FALSE(parse_config(j).ddp.fused_optimizer);
+  j["ddp"] = {{"fused_optimizer", true}};
+  EXPECT_TRUE(parse_config(j).ddp.fused_optimizer);
+  j["bf16"] = {{"enabled", true}};
+  EXPECT_TRUE(parse_config(j).ddp.fused_optimizer);  // bf16 autocast needs no scaler
+  j = base();
+  j["ddp"] = {{"fused_optimizer", true}};
+  j["gradient_clipping"] = 1.0;
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("before \"gradient_clipping\" 1 could clip"), std::string::npos);
+  j = base();
+  j["ddp"] = {{"fused_optimizer", true}};
+  j["fp16"] = {{"enabled", true}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("before fp16's loss scaler could unscale"), std::string::npos);
+  j = base();
+  j["ddp"] = {{"fused_optimizer", true}};
+  j["bf16"] = {{"enabled", true}};
+  j["amp"] = {{"opt_level", "O2"}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("\"ddp.fused_optimizer\" with amp.opt_level O2"), std::string::npos);
+  j["ddp"] = {{"fused_optimizer", 1}};
+  EXPECT_NE(error_of([&] { parse_config(j); }).find("ddp.fused_optimizer"), std::string::npos);
+}
+
 TEST(Config, OverridesParseJsonOrStrings) {
   json j = base();
   apply_override(j, "optimizer.params.lr=0.25");

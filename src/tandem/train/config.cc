@@ -97,6 +97,7 @@ const std::vector<Spec>& specs() {
       {"ddp.gradient_as_bucket_view", Kind::Bool},
       {"ddp.static_graph", Kind::Bool},
       {"ddp.delay_allreduce", Kind::Bool},
+      {"ddp.fused_optimizer", Kind::Bool},
       {"ddp.comm_hook", Kind::Enum, 0, 0, {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd", "post_local_sgd"}},
       {"ddp.comm_wrapper", Kind::Enum, 0, 0, {"no", "fp16", "bf16"}},
       {"ddp.comm_state_option.matrix_approximation_rank", Kind::Int, 1, kInf},
@@ -508,6 +509,21 @@ void parse_ddp(Config& c, const json& j) {
   get(j, "ddp.gradient_as_bucket_view", o.gradient_as_bucket_view);
   get(j, "ddp.static_graph", o.static_graph);
   get(j, "ddp.delay_allreduce", o.delay_allreduce);
+  get(j, "ddp.fused_optimizer", d.fused_optimizer);
+  if (d.fused_optimizer) {
+    // The optimizer steps inside backward, bucket by bucket: nothing can see every gradient first.
+    TANDEM_CHECK(c.gradient_clipping == 0, ValueError,
+                 "config: \"ddp.fused_optimizer\" steps the optimizer inside backward, before \"gradient_clipping\" {} "
+                 "could clip the gradients; drop one of the two",
+                 c.gradient_clipping);
+    TANDEM_CHECK(!c.fp16.enabled, ValueError,
+                 "config: \"ddp.fused_optimizer\" steps the optimizer inside backward, before fp16's loss scaler could "
+                 "unscale the gradients and skip a step on inf/nan; use it with bf16 or fp32, or drop it");
+    TANDEM_CHECK(c.opt_level.empty() || c.opt_level == "O0", ValueError,
+                 "config: \"ddp.fused_optimizer\" with amp.opt_level {}: amp steps the optimizer itself (f32 master "
+                 "weights, loss scaling); use bf16 autocast (no amp.opt_level) or fp32, or drop it",
+                 c.opt_level);
+  }
   get_int(j, "ddp.check_replicas_every", o.check_replicas_every);
   get(j, "ddp.deterministic", o.deterministic);
   get(j, "ddp.comm_hook", d.comm_hook);

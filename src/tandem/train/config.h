@@ -123,6 +123,11 @@ struct DdpConfig {
   std::vector<std::pair<int64_t, int64_t>> averaging_hierarchy;
   int64_t averaging_warmup_steps = 0;
   bool sync_batchnorm = false;  // convert_sync_batchnorm on the model (W2's BatchNorms)
+  // DistributedDataParallel::register_fused_optimizer: the optimizer steps each bucket's
+  // parameters inside backward as soon as its all-reduce completed (the same weights, bit for
+  // bit). Not with gradient_clipping, fp16 or an amp.opt_level (they need every gradient before
+  // the step); on one process (no DDP) the step runs after backward as usual.
+  bool fused_optimizer = false;
 };
 
 struct LogConfig {

@@ -489,7 +489,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   // ---- model, optimizer, precision, DDP ----
   std::shared_ptr<nn::Module> model = make_model(cfg, data);
   const int64_t sync_bns = pg && cfg.ddp.sync_batchnorm ? parallel::convert_sync_batchnorm(*model, pg) : 0;
-  std::unique_ptr<optim::Optimizer> opt = make_optimizer(cfg, model->parameters());
+  std::shared_ptr<optim::Optimizer> opt = make_optimizer(cfg, model->parameters());
   Precision prec;
   prec.low = cfg.bf16 ? kBFloat16 : cfg.fp16.enabled ? kFloat16 : kFloat32;
   if (!cfg.opt_level.empty() && cfg.opt_level != "O0") {
@@ -515,6 +515,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     const DdpConfig& dc = cfg.ddp;
     ddp = std::make_shared<parallel::DistributedDataParallel>(model, pg, dc.options);
     ddp->attach_optimizer(opt.get());
+    if (dc.fused_optimizer) ddp->register_fused_optimizer(opt);
     if (dc.comm_hook == "fp16") ddp->register_comm_hook(parallel::fp16_compress_hook);
     if (dc.comm_hook == "bf16") ddp->register_comm_hook(parallel::bf16_compress_hook);
     std::string hook_text = dc.comm_hook == "no" ? "" : fmt::format(" with {} gradients on the wire", dc.comm_hook);
@@ -554,9 +555,10 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       hook_text = fmt::format(" with post-local SGD from iteration {} ({}; parameters averaged {} from step {})",
                               o.start_localSGD_iter, grads, when, dc.averaging_warmup_steps);
     }
-    ddp_describe = fmt::format(", DDP over {}{}{}{}", world > 1 ? cfg.dist.backend : "one process", hook_text,
+    ddp_describe = fmt::format(", DDP over {}{}{}{}{}", world > 1 ? cfg.dist.backend : "one process", hook_text,
                                sync_bns ? fmt::format(", {} SyncBatchNorm", sync_bns) : "",
-                               dc.options.deterministic ? ", deterministic" : "");
+                               dc.options.deterministic ? ", deterministic" : "",
+                               dc.fused_optimizer ? ", optimizer fused into backward" : "");
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
   DeepSpeedSchedule schedule(*opt, cfg.scheduler, total_steps);
@@ -734,8 +736,8 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
       stepped = prec.scaler->step(*opt);
       prec.scaler->update();
     } else {
-      grad_norm = optim::clip_grad_norm_(opt_params, max_norm);
-      opt->step();
+      grad_norm = optim::clip_grad_norm_(opt_params, max_norm);  // fused: max_norm is inf (config)
+      if (!ddp || !ddp->fused_optimizer()) opt->step();          // fused: stepped inside backward
     }
     // Post-local SGD: after each optimizer step that happened (torch's PostLocalSGDOptimizer:
     // GradScaler's skipped steps never reach it) the averager may average what the optimizer
