@@ -9,12 +9,15 @@
 #   bench/run_ddp_bench.sh [--torch-python PY] [--build-dir DIR] [--seconds S] [--rounds R]
 #                          [--workload w1|w2|w3] [--dtype f32|bf16] [--nprocs "1 2"] [--rebuild] [--pair]
 #                          [--comm-hook none|fp16|bf16|powersgd|localsgd] [--powersgd-rank R] [--bucket-cap-mb MB]
+#                          [--fused-optimizer]
 #
 # --comm-hook registers the same communication hook on both sides (PowerSGD: the given rank,
 # from the 3rd iteration on, error feedback and warm start; localsgd: post-local SGD from the 3rd
 # iteration, each rank's own gradients, parameters averaged every 4 steps). --bucket-cap-mb sets both sides'
 # bucket size, the first bucket's too (torch 2.x does so when bucket_cap_mb is given); torch's
-# PowerSGD over gloo needs a single bucket (bench/torch_ddp_step.py).
+# PowerSGD over gloo needs a single bucket (bench/torch_ddp_step.py). --fused-optimizer steps the
+# optimizer inside backward on both sides (Tandem's register_fused_optimizer, torch's
+# _register_fused_optim).
 #
 # --pair also runs, per side, two independent 1-process runs at once (one per core, no
 # communication) and prints their CPU per step against a 1-process run alone: how much the two
@@ -50,8 +53,9 @@ while [[ $# -gt 0 ]]; do
     --pair) pair=1; shift ;;
     --comm-hook) hook_args+=(--comm-hook "$2"); shift 2 ;;
     --powersgd-rank) hook_args+=(--powersgd-rank "$2"); shift 2 ;;
+    --fused-optimizer) tandem_args+=(--fused-optimizer); torch_args+=(--fused-optimizer); shift ;;
     --bucket-cap-mb) tandem_args+=(--bucket-cap-mb "$2" --first-bucket-mb "$2"); torch_args+=(--bucket-cap-mb "$2"); shift 2 ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_ddp_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done

@@ -5,6 +5,7 @@ and one core each, the same W1/W2/W3 steps. Rank 0 prints one JSON line with the
   torch_ddp_step.py [--workload w1|w2|w3] [--dtype f32|bf16] [--nproc N] [--batch B]
                     [--seconds S] [--min-steps N] [--warmup W]
                     [--comm-hook none|fp16|bf16|powersgd|localsgd] [--powersgd-rank R] [--bucket-cap-mb MB]
+                    [--fused-optimizer]
 
 W1: the MLP, SGD(lr 0.05, momentum 0.9), batch 128 per rank; W2: the CNN, AdamW(lr 1e-3), batch
 64; W3: the GPT, AdamW(lr 1e-3), batch 8 x 128 tokens. "bf16" is torch.autocast("cpu",
@@ -14,7 +15,10 @@ the rest torch's defaults), as bench/ddp_step.cc does. --bucket-cap-mb passes bu
 DDP, which in torch 2.x also makes the first bucket that large (ddp_step_bench's --bucket-cap-mb
 and --first-bucket-mb). torch 2.15's powerSGD_hook over gloo aborts with a gloo size mismatch
 here as soon as DDP has two buckets (the default layout of W1; also in a 20-line script without
-this bench): use one bucket (--bucket-cap-mb 25) to compare it. Never used by tests or CI.
+this bench): use one bucket (--bucket-cap-mb 25) to compare it. --fused-optimizer steps the
+optimizer inside backward with torch's DistributedDataParallel._register_fused_optim (the same
+optimizer class and arguments; no opt.step()), as ddp_step_bench --fused-optimizer does with
+register_fused_optimizer. Never used by tests or CI.
 """
 import argparse
 import json
@@ -45,6 +49,7 @@ def parse():
     p.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd", "localsgd"], default="none")
     p.add_argument("--powersgd-rank", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--fused-optimizer", action="store_true")
     return p.parse_args()
 
 
@@ -96,9 +101,13 @@ def run(rank, args, port):
                                                     post_local_gradient_allreduce=False), pl.post_localSGD_hook)
         averager = averagers.PeriodicModelAverager(period=4, warmup_steps=2)
     if args.workload == "w1":
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_cls, opt_kwargs = torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt_cls, opt_kwargs = torch.optim.AdamW, {"lr": 1e-3}
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    if args.fused_optimizer:
+        # torch's functional optimizer runs in the allreduce hook; opt only zeroes the gradients.
+        ddp._register_fused_optim(opt_cls, **opt_kwargs)
     bf16 = args.dtype == "bf16"
     state = {"next": 0}
 
@@ -110,7 +119,8 @@ def run(rank, args, port):
             out = ddp(xs[i])
             loss = F.cross_entropy(out.view(-1, out.size(-1)) if gpt else out, ys[i])
         loss.backward()
-        opt.step()
+        if not args.fused_optimizer:
+            opt.step()
         if averager is not None:
             averager.average_parameters(model.parameters())
 

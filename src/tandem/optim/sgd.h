@@ -18,11 +18,11 @@ class SGD : public Optimizer {
  public:
   SGD(std::vector<Tensor> params, SGDOptions options = {});
   SGD(std::vector<ParamGroup> groups, SGDOptions options = {});
-  // For each parameter with a gradient:
-  //   d = g + wd * p;  buf = momentum * buf + (1 - dampening) * d  (buf = d on the first step);
-  //   d = nesterov ? d + momentum * buf : buf;  p -= lr * d.
 
  protected:
+  // step(): for each parameter with a gradient:
+  //   d = g + wd * p;  buf = momentum * buf + (1 - dampening) * d  (buf = d on the first step);
+  //   d = nesterov ? d + momentum * buf : buf;  p -= lr * d.
   void update() override;
 };
 
