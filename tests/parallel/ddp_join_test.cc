@@ -93,15 +93,17 @@ struct Case {
   bool extra_on_even_steps = false;
   // Micro-batches per step, all but the last under no_sync (gradient accumulation).
   int micro = 1;
+  // The optimizer steps inside backward (register_fused_optimizer): a joined rank does not step.
+  bool fused_optimizer = false;
 };
 
 // Trains with join on this rank's batches and checks the result against the reference.
 void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const Case& c, double rel) {
   const int world = group.size(), rank = group.rank();
   const std::string what = fmt::format(
-      "batches [{}] divide_by_initial={} bucket_view={} find_unused={} bn={} bf16_wire={} powersgd={} micro={}",
+      "batches [{}] divide_by_initial={} bucket_view={} find_unused={} bn={} bf16_wire={} powersgd={} micro={} fused={}",
       fmt::join(c.batches, ","), c.join.divide_by_initial_world_size, c.ddp.gradient_as_bucket_view,
-      c.ddp.find_unused_parameters, c.batch_norm, c.bf16_wire, c.powersgd, c.micro);
+      c.ddp.find_unused_parameters, c.batch_norm, c.bf16_wire, c.powersgd, c.micro, c.fused_optimizer);
   auto uses_extra = [&](int s) { return !c.extra_on_even_steps || s % 2 == 0; };
   auto model = std::make_shared<Net>(c.batch_norm);
   DistributedDataParallel ddp(model, shared, c.ddp);
@@ -114,7 +116,9 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
                                       .use_error_feedback = false,
                                       .warm_start = false})));
   }
-  td::optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  auto opt_ptr = std::make_shared<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  td::optim::SGD& opt = *opt_ptr;
+  if (c.fused_optimizer) ddp.register_fused_optimizer(opt_ptr);
   ddp.join(
       [&] {
         for (int s = 0; s < c.batches[rank]; ++s) {
@@ -131,7 +135,7 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
               loss().backward();
             }
           }
-          opt.step();
+          if (!c.fused_optimizer) opt.step();
         }
       },
       c.join);
@@ -205,6 +209,17 @@ TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
         Case c;
         c.batches = batches;
         c.ddp = o;
+        run_case(*group, group, c, 1e-5);
+      }
+      // The optimizer fused into backward: the ranks still training step bucket by bucket (after
+      // the rescale to the ranks still training), a joined rank does not step.
+      for (bool divide_by_initial : {true, false}) {
+        Case c;
+        c.batches = batches;
+        c.ddp = DDPOptions{.bucket_cap_mb = 1e-4, .first_bucket_mb = 1e-4};
+        c.join.divide_by_initial_world_size = divide_by_initial;
+        c.micro = 2;
+        c.fused_optimizer = true;
         run_case(*group, group, c, 1e-5);
       }
     });
