@@ -72,9 +72,10 @@ struct Trained {
 // `steps` steps of `micro` micro-batches (all but the last under no_sync), with the optimizer
 // fused into DDP's backward or stepped after it.
 Trained train(const std::shared_ptr<ProcessGroup>& group, const DDPOptions& options, const std::string& kind,
-              bool fused, int steps, int micro) {
+              bool fused, int steps, int micro, bool bf16_wire = false) {
   auto model = small_mlp();
   DistributedDataParallel ddp(model, group, options);
+  if (bf16_wire) ddp.register_comm_hook(td::parallel::bf16_compress_hook);
   auto opt = make_optimizer(*model, kind);
   if (fused) ddp.register_fused_optimizer(opt);
   for (int s = 0; s < steps; ++s) {
@@ -132,6 +133,7 @@ TEST(DDPFusedOptimizer, EqualsStepAfterBackwardBitForBit) {
         std::string name;
         DDPOptions options;
         int micro;
+        bool bf16_wire = false;  // bf16_compress_hook: the result is cast back inside the hook's `then`
       };
       std::vector<Case> cases;
       cases.push_back({"default", small_buckets(), 1});
@@ -142,6 +144,7 @@ TEST(DDPFusedOptimizer, EqualsStepAfterBackwardBitForBit) {
       DDPOptions delay = small_buckets();
       delay.delay_allreduce = true;
       cases.push_back({"delay_allreduce", delay, 1});
+      cases.push_back({"bf16_compress_hook", small_buckets(), 2, true});
       DDPOptions unused = small_buckets();
       unused.find_unused_parameters = true;
       cases.push_back({"find_unused_parameters", unused, 2});
@@ -154,8 +157,8 @@ TEST(DDPFusedOptimizer, EqualsStepAfterBackwardBitForBit) {
       for (const auto& c : cases) {
         for (const std::string kind : {"sgd", "adamw"}) {
           const std::string what = "world " + std::to_string(world) + ", " + c.name + ", " + kind;
-          Trained fused = train(g, c.options, kind, true, 3, c.micro);
-          Trained after = train(g, c.options, kind, false, 3, c.micro);
+          Trained fused = train(g, c.options, kind, true, 3, c.micro, c.bf16_wire);
+          Trained after = train(g, c.options, kind, false, 3, c.micro, c.bf16_wire);
           expect_bitwise_same(fused, after, what);
         }
       }
