@@ -2,7 +2,9 @@
 // messages, init_process_group through env:// and file:// in real processes (dist::spawn), a rank
 // that never starts, and a rank killed with SIGKILL in the middle of a loop of all_reduce.
 // Children report failures by throwing; spawn rethrows them here with the rank.
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -255,6 +257,43 @@ TEST(Spawn, EnvInitAllReduceAcrossProcessesAndSubgroups) {
       require(v == 2, fmt::format("subgroup sum {}", v));
     }
     barrier();
+    destroy_process_group();
+  }, spawn_options());
+}
+
+// Without a master_port, spawn binds the store's port before forking and hands the listening
+// socket to rank 0, whose env:// store serves on it. Before, spawn picked a free port and closed
+// it, and any process could take it before rank 0 bound it again (a store on another job's port,
+// or rank 0 failing to bind). Here rank 1 tries to bind MASTER_PORT while rank 0 has not built its
+// store yet (it waits 300 ms first): the port must be taken already. Then the group works, and
+// rank 0's store took the socket (the variable is cleared, so a later store binds its own).
+TEST(Spawn, TheStorePortIsHeldFromBeforeTheForkUntilRankZeroServesIt) {
+  spawn(2, [](int rank) {
+    const char* port_env = std::getenv("MASTER_PORT");
+    require(port_env != nullptr, "MASTER_PORT is set");
+    const int port = std::atoi(port_env);
+    require((std::getenv("TANDEM_STORE_LISTEN_FD") != nullptr) == (rank == 0),
+            "only rank 0 is handed the store's socket");
+    if (rank == 1) {
+      const int fd = socket(AF_INET, SOCK_STREAM, 0);
+      require(fd >= 0, "socket()");
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      addr.sin_port = htons(static_cast<uint16_t>(port));
+      const int rc = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      const int err = errno;
+      close(fd);
+      require(rc != 0, fmt::format("another process could bind MASTER_PORT {} before rank 0's store was built", port));
+      require(err == EADDRINUSE, fmt::format("binding MASTER_PORT failed with {}, expected EADDRINUSE", std::strerror(err)));
+    } else {
+      std::this_thread::sleep_for(300ms);
+    }
+    InitOptions o;
+    o.timeout = 20s;
+    init_process_group(o);
+    require(std::getenv("TANDEM_STORE_LISTEN_FD") == nullptr, "rank 0's store took the socket");
+    check_sum_on_default_group(1000);
     destroy_process_group();
   }, spawn_options());
 }

@@ -22,6 +22,8 @@
 
 #include <fmt/ranges.h>
 
+#include "tandem/dist/tcp_store_server.h"
+
 namespace tandem::dist {
 namespace {
 
@@ -80,7 +82,22 @@ int find_free_port() {
 
 std::vector<ProcessResult> spawn_results(int nprocs, const std::function<void(int)>& fn, const SpawnOptions& options) {
   TANDEM_CHECK(nprocs >= 1, ValueError, "dist::spawn: nprocs must be >= 1, got {}", nprocs);
-  const int port = options.master_port > 0 ? options.master_port : find_free_port();
+  // Without a given port, the store's socket is bound here, before forking, and handed to rank 0
+  // (TANDEM_STORE_LISTEN_FD, taken by its TCPStore): a port picked and closed here could be taken
+  // by another process before rank 0 binds it.
+  int listen_fd = -1;
+  int port = options.master_port;
+  if (port <= 0) {
+    uint16_t bound = 0;
+    listen_fd = TCPStoreServer::listen_on(0, &bound);
+    port = bound;
+  }
+  struct CloseListener {
+    int& fd;
+    ~CloseListener() {
+      if (fd >= 0) close(fd);
+    }
+  } close_listener{listen_fd};
   const std::string token = random_token();
   std::fflush(stdout);
   std::fflush(stderr);
@@ -118,6 +135,11 @@ std::vector<ProcessResult> spawn_results(int nprocs, const std::function<void(in
       setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("TANDEM_STORE_TOKEN", token.c_str(), 1);
+      if (listen_fd >= 0 && r == 0) {
+        setenv("TANDEM_STORE_LISTEN_FD", std::to_string(listen_fd).c_str(), 1);
+      } else if (listen_fd >= 0) {
+        close(listen_fd);
+      }
       for (const auto& [k, v] : options.env) setenv(k.c_str(), v.c_str(), 1);
       int code = 0;
       try {
@@ -139,6 +161,10 @@ std::vector<ProcessResult> spawn_results(int nprocs, const std::function<void(in
     results[r].rank = r;
     results[r].pid = pid;
     running[r] = true;
+  }
+  if (listen_fd >= 0) {  // rank 0 has its copy
+    close(listen_fd);
+    listen_fd = -1;
   }
   const auto deadline = Clock::now() + options.timeout;
   int left = nprocs;
@@ -226,3 +252,4 @@ void spawn(int nprocs, const std::function<void(int)>& fn, const SpawnOptions& o
 }
 
 }  // namespace tandem::dist
+

@@ -2,7 +2,9 @@
 // fn(rank) with the torchrun environment set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT on a free port, TANDEM_STORE_TOKEN), joins them with a timeout and
 // rethrows the first failure with its rank and the child's exception text (sent back through a
-// pipe).
+// pipe). Without a master_port, the store's port is bound and listening before the fork and
+// handed to rank 0 (TANDEM_STORE_LISTEN_FD, which rank 0's env:// TCPStore takes over), so no
+// other process can take it in between.
 //
 // Fork safety: the children are forks of the caller. Tandem's own thread pool is fork-safe (a
 // child starts with a fresh pool), but OpenMP (libgomp, which oneDNN uses) is not: a child of a
@@ -24,7 +26,7 @@ namespace tandem::dist {
 struct SpawnOptions {
   std::chrono::milliseconds timeout{10 * 60 * 1000};  // for the whole job; then every child is killed
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;                           // 0: a free port
+  int master_port = 0;                           // 0: a free port, held from the start (above)
   std::map<std::string, std::string> env;        // extra variables for every child
   // When a child fails, stop the others (SIGTERM, then SIGKILL after 2 s), like torch's spawn.
   bool stop_others_on_failure = true;

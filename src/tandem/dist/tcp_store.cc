@@ -131,6 +131,38 @@ void check_keys(const char* op, const std::vector<std::string>& keys) {
 
 }  // namespace
 
+namespace {
+
+// The socket dist::spawn bound and left listening on MASTER_PORT for rank 0
+// (TANDEM_STORE_LISTEN_FD), when it listens on `port`: taken once (the variable is cleared), so a
+// later store in this process binds its own. -1 when there is none (or `port` is 0: a free port
+// was asked for, not spawn's).
+int take_spawn_listener(uint16_t port) {
+  const char* env = std::getenv("TANDEM_STORE_LISTEN_FD");
+  if (env == nullptr || port == 0) return -1;
+  char* end = nullptr;
+  const long fd = std::strtol(env, &end, 10);
+  unsetenv("TANDEM_STORE_LISTEN_FD");
+  if (end == env || *end != '\0' || fd < 0 || fd > INT32_MAX) return -1;
+  int listening = 0;
+  socklen_t len = sizeof(listening);
+  if (getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening) return -1;
+  sockaddr_storage addr{};
+  len = sizeof(addr);
+  if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&addr), &len) != 0) return -1;
+  uint16_t bound = 0;
+  if (addr.ss_family == AF_INET6) bound = ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  else if (addr.ss_family == AF_INET) bound = ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  else return -1;
+  if (bound != port) {
+    close(static_cast<int>(fd));  // spawn's listener, but this store is on another port: unused
+    return -1;
+  }
+  return static_cast<int>(fd);
+}
+
+}  // namespace
+
 struct TCPStore::Reply {
   wire::Status status;
   Bytes body;  // after the status byte
@@ -149,7 +181,7 @@ TCPStore::TCPStore(std::string host, uint16_t port, TCPStoreOptions options)
   TANDEM_CHECK(!options_.world_size || *options_.world_size >= 1, ValueError,
                "TCPStore: world_size must be >= 1, got {}", options_.world_size.value_or(0));
   if (options_.is_master) {
-    server_ = std::make_unique<TCPStoreServer>(port_, token_);
+    server_ = std::make_unique<TCPStoreServer>(take_spawn_listener(port_), port_, token_);
     port_ = server_->port();
   } else {
     TANDEM_CHECK(port_ != 0, ValueError, "TCPStore: a client needs the master's port, got 0 (host {})", host_);

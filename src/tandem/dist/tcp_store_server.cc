@@ -377,8 +377,17 @@ struct TCPStoreServer::Loop {
 
 // ---- TCPStoreServer ----
 
-TCPStoreServer::TCPStoreServer(uint16_t port, std::string token) : token_(std::move(token)) {
-  listen_fd_ = bind_listener(port, &port_);
+int TCPStoreServer::listen_on(uint16_t port, uint16_t* bound) { return bind_listener(port, bound); }
+
+TCPStoreServer::TCPStoreServer(uint16_t port, std::string token) : TCPStoreServer(-1, port, std::move(token)) {}
+
+TCPStoreServer::TCPStoreServer(int listen_fd, uint16_t port, std::string token) : token_(std::move(token)) {
+  if (listen_fd >= 0) {
+    listen_fd_ = listen_fd;
+    port_ = port;
+  } else {
+    listen_fd_ = bind_listener(port, &port_);
+  }
   if (pipe2(wake_fds_, O_NONBLOCK | O_CLOEXEC) != 0) {
     const int err = errno;
     close(listen_fd_);

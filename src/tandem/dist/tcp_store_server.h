@@ -15,6 +15,12 @@ class TCPStoreServer {
   // Binds `port` (0: a free one) on all interfaces and starts serving; throws CommError when the
   // port cannot be bound. An empty token accepts every client.
   TCPStoreServer(uint16_t port, std::string token);
+  // Serves on `listen_fd`, a non-blocking socket already listening on `port` (dist::spawn binds it
+  // before forking, so no other process can take the port in between); closed by the destructor.
+  TCPStoreServer(int listen_fd, uint16_t port, std::string token);
+  // A non-blocking, close-on-exec socket listening on `port` (0: a free one) on all interfaces;
+  // `*bound` gets the port. Throws CommError when the port cannot be bound.
+  static int listen_on(uint16_t port, uint16_t* bound);
   ~TCPStoreServer();  // wakes and joins the thread, closes every socket; noexcept
   TCPStoreServer(const TCPStoreServer&) = delete;
   TCPStoreServer& operator=(const TCPStoreServer&) = delete;
