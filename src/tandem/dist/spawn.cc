@@ -252,4 +252,3 @@ void spawn(int nprocs, const std::function<void(int)>& fn, const SpawnOptions& o
 }
 
 }  // namespace tandem::dist
-

@@ -129,10 +129,6 @@ void check_keys(const char* op, const std::vector<std::string>& keys) {
   for (const auto& k : keys) check_key(op, k);
 }
 
-}  // namespace
-
-namespace {
-
 // The socket dist::spawn bound and left listening on MASTER_PORT for rank 0
 // (TANDEM_STORE_LISTEN_FD), when it listens on `port`: taken once (the variable is cleared), so a
 // later store in this process binds its own. -1 when there is none (or `port` is 0: a free port
