@@ -81,6 +81,21 @@ void expect_same_checkpoint(const std::string& a, const std::string& b, bool sam
   }
 }
 
+// `tandem train --config cfg --out out_dir` in the background, one thread, output discarded: its
+// pid (-1 when fork failed), for a test that signals it.
+pid_t start_train(const std::string& cfg, const std::string& out_dir) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setenv("TANDEM_NUM_THREADS", "1", 1);
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    ::dup2(devnull, 1);
+    ::dup2(devnull, 2);
+    ::execl(kCli.c_str(), kCli.c_str(), "train", "--config", cfg.c_str(), "--out", out_dir.c_str(), nullptr);
+    ::_exit(127);
+  }
+  return pid;
+}
+
 std::vector<double> losses(const std::string& run_dir) {
   std::ifstream f(run_dir + "/metrics.jsonl");
   std::vector<double> out;
@@ -100,16 +115,8 @@ TEST(TrainCli, KilledWithSigkillThenResumeAutoIsBitwise) {
   ASSERT_EQ(run(kCli + " train --config " + cfg + " --out " + straight, &out), 0) << out;
 
   // The same run, killed with SIGKILL as soon as its first checkpoint is complete.
-  const pid_t pid = ::fork();
+  const pid_t pid = start_train(cfg, killed);
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::setenv("TANDEM_NUM_THREADS", "1", 1);
-    const int devnull = ::open("/dev/null", O_WRONLY);
-    ::dup2(devnull, 1);
-    ::dup2(devnull, 2);
-    ::execl(kCli.c_str(), kCli.c_str(), "train", "--config", cfg.c_str(), "--out", killed.c_str(), nullptr);
-    ::_exit(127);
-  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!latest_checkpoint(killed + "/checkpoints") && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -133,16 +140,8 @@ TEST(TrainCli, SigtermCheckpointsStopsAndResumesBitwise) {
   const std::string straight = dir.path() + "/straight", stopped = dir.path() + "/stopped";
   std::string out;
   ASSERT_EQ(run(kCli + " train --config " + cfg + " --out " + straight, &out), 0) << out;
-  const pid_t pid = ::fork();
+  const pid_t pid = start_train(cfg, stopped);
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::setenv("TANDEM_NUM_THREADS", "1", 1);
-    const int devnull = ::open("/dev/null", O_WRONLY);
-    ::dup2(devnull, 1);
-    ::dup2(devnull, 2);
-    ::execl(kCli.c_str(), kCli.c_str(), "train", "--config", cfg.c_str(), "--out", stopped.c_str(), nullptr);
-    ::_exit(127);
-  }
   // Wait until it has trained a few steps, then ask it to stop.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
@@ -175,16 +174,8 @@ TEST(TrainCli, SigtermCheckpointsStopsAndResumesBitwise) {
 TEST(TrainCli, StopSignalsAreTakenByAThreadNotAHandler) {
   tandem::testing::TempDir dir;
   const std::string cfg = write_config(dir.path(), 100000, 0), out = dir.path() + "/run";
-  const pid_t pid = ::fork();
+  const pid_t pid = start_train(cfg, out);
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::setenv("TANDEM_NUM_THREADS", "1", 1);
-    const int devnull = ::open("/dev/null", O_WRONLY);
-    ::dup2(devnull, 1);
-    ::dup2(devnull, 2);
-    ::execl(kCli.c_str(), kCli.c_str(), "train", "--config", cfg.c_str(), "--out", out.c_str(), nullptr);
-    ::_exit(127);
-  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline && !fs::exists(out + "/metrics.jsonl"))
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -517,9 +517,7 @@ void Reducer::finalize() {
   }
   if (!per_bucket) {
     for (int64_t bi = 0; bi < static_cast<int64_t>(buckets_.size()); ++bi) hand_over(bi, globally_used);
-    for (size_t bi = 0; bi < buckets_.size() && bucket_done_; ++bi) {
-      bucket_done_(buckets_[bi].params, bi + 1 == buckets_.size());
-    }
+    every_bucket_done();
   }
 
   if (!rebuilt_) rebuild_buckets();
@@ -556,6 +554,12 @@ void Reducer::hand_over(int64_t bi, const std::vector<uint8_t>& globally_used) {
     }
   }
   if (handed_over) replace_bucket_memory(bi);
+}
+
+void Reducer::every_bucket_done() {
+  for (size_t bi = 0; bi < buckets_.size() && bucket_done_; ++bi) {
+    bucket_done_(buckets_[bi].params, bi + 1 == buckets_.size());
+  }
 }
 
 void Reducer::rebuild_buckets() {
@@ -676,9 +680,7 @@ void Reducer::finalize_deterministic() {
     off += n;
   }
   ++iteration_;
-  for (size_t bi = 0; bi < buckets_.size() && bucket_done_; ++bi) {
-    bucket_done_(buckets_[bi].params, bi + 1 == buckets_.size());
-  }
+  every_bucket_done();
 }
 
 // ---- communication hooks ----

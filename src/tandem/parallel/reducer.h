@@ -175,6 +175,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Puts bucket `bi`'s averaged values into its parameters' grad() (see finalize), leaving out
   // the parameters no rank used.
   void hand_over(int64_t bi, const std::vector<uint8_t>& globally_used);
+  // bucket_done_ (if set) for every bucket in order: when they are not reported one by one.
+  void every_bucket_done();
   void finalize_deterministic();
   // The one-time rebuild in rank 0's ready order (a collective: a broadcast from rank 0).
   void rebuild_buckets();
