@@ -301,14 +301,16 @@ TEST(DDPJoin, ReplicaChecksLineUpAfterJoin) {
 
 // ---------------------------------------------------------------------------------------------
 // throw_on_early_termination: every rank throws at the first iteration in which some rank is out
-// of inputs (the one that ran out, and the ones that would go on), naming the option.
+// of inputs (the one that ran out, and the ones that would go on), naming the option. Also with
+// SyncBatchNorm (torch asks for this option there): the ranks stop before its collective.
 // ---------------------------------------------------------------------------------------------
 
-TEST(DDPJoin, ThrowOnEarlyTerminationStopsEveryRank) {
-  on_ranks(3, [&](std::shared_ptr<ProcessGroup> group) {
+TEST(DDPJoin, ThrowOnEarlyTerminationStopsEveryRankAlsoWithSyncBatchNorm) {
+  for (const bool sync_bn : {false, true}) on_ranks(3, [&](std::shared_ptr<ProcessGroup> group) {
     const int rank = group->rank();
     const std::vector<int> batches{3, 1, 3};
-    auto model = std::make_shared<Net>(false);
+    auto model = std::make_shared<Net>(sync_bn);
+    if (sync_bn && td::parallel::convert_sync_batchnorm(*model, group) != 1) fail("convert_sync_batchnorm converted no layer");
     DistributedDataParallel ddp(model, group);
     td::optim::SGD opt(model->parameters(), {.lr = 0.1});
     int done = 0;

@@ -722,6 +722,52 @@ TEST(DDPSemantics, JoinLeavesIgnoredTensorsRankLocal) {
   });
 }
 
+// broadcast_buffers=false (torch 2.x): every rank keeps its own buffers at construction (they are
+// not compared there either: one of a rank-dependent shape is fine), at forwards and at the end of
+// join; the parameters are still rank 0's at construction and the longest-training rank's after
+// join.
+TEST(DDPSemantics, BroadcastBuffersFalseKeepsEveryRanksBuffersAtConstructionAndJoin) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = ignore_probe(rank);
+    model->register_buffer("rank_local", td::full({rank + 1}, rank + 1.0));
+    {
+      td::NoGradGuard no_grad;
+      named(*model, "1.running_mean").fill_(rank + 3.0);
+    }
+    DistributedDataParallel ddp(model, group, DDPOptions{.broadcast_buffers = false});
+    expect_close(named(*model, "2.weight"), named(*ignore_probe(0), "2.weight"), "construction broadcasts 2.weight");
+    expect_close(named(*model, "1.running_mean"), td::full({2}, rank + 3.0), "construction keeps the rank's running_mean");
+    expect_close(named(*model, "rank_local"), td::full({rank + 1}, rank + 1.0), "construction keeps the rank's buffer");
+
+    td::optim::SGD opt(model->parameters(), td::optim::SGDOptions{.lr = 0.1});
+    std::vector<Tensor> means;  // this rank's running_mean after each of its iterations
+    ddp.join([&] {
+      for (int i = 0; i < (rank == 0 ? 1 : 3); ++i) {
+        opt.zero_grad();
+        td::ops::sum(ddp(ignore_input(rank + 2 * i))).backward();
+        opt.step();
+        means.push_back(named(*model, "1.running_mean").clone());
+      }
+    });
+    // Rank 1 trained longest: its parameters everywhere, but each rank's running_mean is what its
+    // own batches made of its own start (no broadcast at the forwards or at the end).
+    Tensor w = named(*model, "2.weight").clone();
+    group->broadcast(w, 1)->wait();
+    expect_close(named(*model, "2.weight"), w, "join ends with rank 1's 2.weight");
+    expect_close(named(*model, "1.running_mean"), means.back(), "join keeps the rank's running_mean");
+    Tensor r0 = named(*model, "1.running_mean").clone();
+    group->broadcast(r0, 0)->wait();
+    Tensor r1 = named(*model, "1.running_mean").clone();
+    group->broadcast(r1, 1)->wait();
+    if (td::ops::max(td::ops::abs(td::ops::sub(r0, r1))).item() < 0.5) {
+      fail(fmt::format("the ranks' running_means should differ (rank 0 started at 3, rank 1 at 4), got {} and {}",
+                       fmt::join(r0.to_vector(), ", "), fmt::join(r1.to_vector(), ", ")));
+    }
+    expect_close(named(*model, "rank_local"), td::full({rank + 1}, rank + 1.0), "join keeps the rank's buffer");
+  });
+}
+
 // noop_hook (torch's debugging hook): DDP's bookkeeping without the all-reduce, each rank keeps
 // its own gradients.
 TEST(DDPSemantics, NoopHookLeavesEveryRankItsOwnGradients) {

@@ -187,14 +187,21 @@ std::vector<Tensor> DistributedDataParallel::synced_buffer_tensors() const {
 std::vector<Tensor> DistributedDataParallel::synced_states() const {
   std::vector<Tensor> all;
   for (auto& [name, t] : without_ignored(module_->named_parameters())) all.push_back(t);
-  for (auto& t : synced_buffer_tensors()) all.push_back(t);
+  // broadcast_buffers=false keeps every rank's buffers also here (torch 2.x: at construction and
+  // at the end of join only the parameters are taken from the source rank).
+  if (options_.broadcast_buffers) {
+    for (auto& t : synced_buffer_tensors()) all.push_back(t);
+  }
   return all;
 }
 
 void DistributedDataParallel::check_same_model() {
   const std::vector<std::string> options_lines = describe(options_);
+  // Buffers are compared only where they are broadcast (as torch verifies only what it syncs): a
+  // rank-local buffer under broadcast_buffers=false may differ.
   std::vector<std::string> model_lines =
-      describe(without_ignored(module_->named_parameters()), without_ignored(module_->named_buffers()));
+      describe(without_ignored(module_->named_parameters()),
+               options_.broadcast_buffers ? without_ignored(module_->named_buffers()) : nn::NamedTensors{});
   // Whether each BatchNorm synchronizes its statistics: a model converted on some ranks only
   // (convert_sync_batchnorm behind a rank condition) would otherwise pass, then fail at its first
   // forward as a collective the other ranks never issue.
@@ -335,13 +342,20 @@ void DistributedDataParallel::join(const std::function<void()>& loop, JoinOption
   TANDEM_CHECK(!options_.deterministic, ValueError,
                "DistributedDataParallel.join: the deterministic mode needs every rank to run the same micro-batches "
                "per step, so it cannot join uneven inputs; give every rank the same number of batches instead");
-  for (const auto& [name, m] : module_->named_modules()) {
-    // A SyncBatchNorm, or a BatchNorm convert_sync_batchnorm made synchronize (group_stats).
-    const auto* bn = dynamic_cast<const nn::BatchNorm*>(m.get());
-    TANDEM_CHECK(bn == nullptr || !bn->group_stats, ValueError,
-                 "DistributedDataParallel.join: module '{}' is a SyncBatchNorm, whose forward is a collective that a "
-                 "rank out of inputs cannot answer; use BatchNorm, or give every rank the same number of batches",
-                 name.empty() ? std::string("(the wrapped module)") : name);
+  // A SyncBatchNorm's forward is a collective a rank out of inputs cannot answer; with
+  // throw_on_early_termination (what torch asks for there) every rank stops at the join round in
+  // the forward's start, before that collective.
+  if (!options.throw_on_early_termination) {
+    for (const auto& [name, m] : module_->named_modules()) {
+      // A SyncBatchNorm, or a BatchNorm convert_sync_batchnorm made synchronize (group_stats).
+      const auto* bn = dynamic_cast<const nn::BatchNorm*>(m.get());
+      TANDEM_CHECK(bn == nullptr || !bn->group_stats, ValueError,
+                   "DistributedDataParallel.join: module '{}' is a SyncBatchNorm, whose forward is a collective that "
+                   "a rank out of inputs cannot answer; join with throw_on_early_termination=true (every rank stops "
+                   "at the first iteration some rank lacks), use BatchNorm, or give every rank the same number of "
+                   "batches",
+                   name.empty() ? std::string("(the wrapped module)") : name);
+    }
   }
   join_active_ = true;
   join_options_ = options;

@@ -33,7 +33,10 @@ void coalesced(const std::vector<Tensor>& tensors, const std::function<void(Tens
 struct DDPOptions {
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;          // torch's _DEFAULT_FIRST_BUCKET_BYTES
-  bool broadcast_buffers = true;         // rank 0's buffers (BatchNorm running stats) at a forward after a synced one
+  // Rank 0's buffers (BatchNorm running stats) at construction and at a forward after a synced one,
+  // the source rank's at the end of join. false: every rank keeps its own buffers throughout (as
+  // torch 2.x's broadcast_buffers=False: not broadcast at construction either, nor compared there).
+  bool broadcast_buffers = true;
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   // The set of used parameters never changes (torch's static_graph): the first synchronized
@@ -125,17 +128,18 @@ class DistributedDataParallel : public nn::Module {
   // all-reduce of zeros per bucket in their backwards, the unused-parameter map, the one-time
   // bucket rebuild), so the others neither hang nor time out; its own parameters and optimizer
   // state are left as they were. When every rank's loop has ended, every rank takes the
-  // parameters and buffers of the highest rank among those that ran the most iterations. The
-  // optimizer state of a rank that sat iterations out is not brought up to date (as in PyTorch):
-  // training on after join with momentum or Adam lets the replicas drift, which check_replicas
-  // with attach_optimizer reports.
+  // parameters and buffers (the buffers only with broadcast_buffers) of the highest rank among
+  // those that ran the most iterations. The optimizer state of a rank that sat iterations out is
+  // not brought up to date (as in PyTorch): training on after join with momentum or Adam lets the
+  // replicas drift, which check_replicas with attach_optimizer reports.
   // While join is active, each forward costs one extra small all-reduce (which ranks still
   // train, whether a synchronized backward follows), buffers are broadcast from the highest rank
   // still training (torch's authoritative rank), and check_replicas_every is skipped in
   // iterations where some rank has joined. Every rank must call join with the same options.
-  // Not supported (ValueError): the deterministic mode, and SyncBatchNorm (its forward is a
-  // collective no joined rank can answer). Other collectives inside the loop (a found_inf
-  // reducer, metric all-reduces) are the caller's to match. A communication hook runs on zeros
+  // Not supported (ValueError): the deterministic mode, and SyncBatchNorm unless with
+  // throw_on_early_termination (its forward is a collective no joined rank can answer; torch asks
+  // for that option there too). Other collectives inside the loop (a found_inf reducer, metric
+  // all-reduces) are the caller's to match. A communication hook runs on zeros
   // for a joined rank; with divide_by_initial_world_size=false the default hook's average is
   // rescaled to the ranks still training, a user hook's result is left as it is.
   void join(const std::function<void()>& loop, JoinOptions options = {});
