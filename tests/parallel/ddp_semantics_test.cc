@@ -230,6 +230,85 @@ TEST(DDPSemantics, StaticGraphTakesTheFirstIterationsUnusedParametersAndRejectsA
 }
 
 // ---------------------------------------------------------------------------------------------
+// A loss that uses more than the tensor forward returns (torch: tuple outputs, a loss term on a
+// parameter outside forward). find_unused_parameters searches the graph from every output of the
+// std::vector overload of forward_with; static_graph needs no search (its first iteration counts
+// the gradients that arrived), so it also takes a head reached through a captured tensor and a
+// parameter used outside forward. Both: gradients equal the global-batch reference, the head no
+// output reaches keeps no gradient, for 3 steps with momentum.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+struct TwoHeads : td::nn::Module {
+  TwoHeads() : Module("TwoHeads") {
+    td::Generator gen(17);
+    trunk = register_parameter("trunk", td::ops::mul(td::randn({5, 4}, td::kFloat32, &gen), 0.5));
+    a = register_parameter("a", td::ops::mul(td::randn({2, 5}, td::kFloat32, &gen), 0.5));
+    b = register_parameter("b", td::ops::mul(td::randn({3, 5}, td::kFloat32, &gen), 0.5));
+    never = register_parameter("never", td::ops::mul(td::randn({3, 5}, td::kFloat32, &gen), 0.5));
+    outside = register_parameter("outside", td::randn({4}, td::kFloat32, &gen));
+  }
+  std::vector<Tensor> run(const Tensor& x) {
+    Tensor h = td::ops::tanh(td::ops::linear(x, trunk));
+    return {td::ops::linear(h, a), td::ops::linear(h, b)};
+  }
+  Tensor trunk, a, b, never, outside;
+};
+// The loss of both heads, plus (with_outside) a term on `outside`, which no forward uses.
+Tensor two_heads_loss(const std::vector<Tensor>& y, const Tensor& outside, bool with_outside, double scale) {
+  Tensor l = td::ops::add(td::ops::sum(td::ops::mul(y[0], y[0])), td::ops::sum(y[1]));
+  if (with_outside) l = td::ops::add(l, td::ops::sum(td::ops::mul(outside, outside)));
+  return td::ops::mul(l, scale);
+}
+}  // namespace
+
+TEST(DDPSemantics, ALossBeyondTheReturnedTensorWorksWithFindUnusedOverEveryOutputAndWithStaticGraph) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int world = group->size(), rank = group->rank();
+    for (const bool static_graph : {false, true}) {
+      const std::string what = static_graph ? "static_graph (head b captured, outside used)" : "find_unused_parameters (both heads returned)";
+      auto model = std::make_shared<TwoHeads>();
+      DistributedDataParallel ddp(model, group,
+                                  DDPOptions{.find_unused_parameters = !static_graph, .static_graph = static_graph});
+      td::optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+      auto reference = std::make_shared<TwoHeads>();
+      td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
+      for (int s = 0; s < 3; ++s) {
+        opt.zero_grad();
+        ref_opt.zero_grad();
+        std::vector<Tensor> y;
+        if (static_graph) {
+          // forward returns head a only; head b's output reaches the loss through a capture.
+          Tensor yb;
+          Tensor ya = ddp.forward_with([&] {
+            auto both = model->run(probe_input(s, rank, 0));
+            yb = both[1];
+            return both[0];
+          });
+          y = {ya, yb};
+        } else {
+          y = ddp.forward_with([&] { return model->run(probe_input(s, rank, 0)); });
+        }
+        two_heads_loss(y, model->outside, static_graph, 1.0).backward();
+        for (int r = 0; r < world; ++r) {
+          two_heads_loss(reference->run(probe_input(s, r, 0)), reference->outside, static_graph, 1.0 / world).backward();
+        }
+        if (model->never.grad().defined()) fail(fmt::format("{}: step {}: 'never' got a gradient", what, s));
+        auto got = model->named_parameters(), want = reference->named_parameters();
+        for (size_t p = 0; p < got.size(); ++p) {
+          if (got[p].first == "never") continue;
+          if (got[p].first == "outside" && !static_graph) continue;
+          expect_close(grad_or_zeros(got[p].second), grad_or_zeros(want[p].second),
+                       fmt::format("{}: step {} rank {} grad of '{}'", what, s, rank, got[p].first));
+        }
+        opt.step();
+        ref_opt.step();
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Frozen and tied parameters: the frozen one is not in any bucket and keeps no gradient; the tied
 // one is in one bucket once, its gradient (from both uses) reduced once.
 // ---------------------------------------------------------------------------------------------

@@ -405,12 +405,23 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
 Tensor DistributedDataParallel::forward_with(const std::function<Tensor()>& fn) {
   before_forward();
   Tensor out = fn();
+  after_forward({out});
+  return out;
+}
+
+std::vector<Tensor> DistributedDataParallel::forward_with(const std::function<std::vector<Tensor>()>& fn) {
+  before_forward();
+  std::vector<Tensor> outs = fn();
+  after_forward(outs);
+  return outs;
+}
+
+void DistributedDataParallel::after_forward(const std::vector<Tensor>& outputs) {
   // Armed whenever a backward may follow, in eval mode too (fine-tuning with frozen BatchNorm
   // statistics): PyTorch reduces such gradients; skipping them would leave them rank-local.
   const bool grad = autograd::is_grad_enabled();
-  if (grad) reducer_->prepare_for_backward(require_sync_, out);
+  if (grad) reducer_->prepare_for_backward(require_sync_, outputs);
   require_forward_param_sync_ = grad && require_sync_;
-  return out;
 }
 
 void DistributedDataParallel::check_replicas() {

@@ -40,8 +40,10 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   // The set of used parameters never changes (torch's static_graph): the first synchronized
-  // iteration finds the unused ones (as find_unused_parameters does), later iterations take that
-  // set without searching the graph; a change of that set is an error naming the parameter.
+  // iteration reduces after backward (no overlap) and takes the parameters whose gradient did not
+  // arrive as the unused ones (as torch counts the hooks that fired: no graph search, so a loss
+  // built also from tensors forward did not return, or from parameters outside forward, is fine);
+  // later iterations take that set; a change of that set is an error naming the parameter.
   bool static_graph = false;
   bool delay_allreduce = false;          // Apex: reduce after backward, no overlap
   // Beyond PyTorch: every N training forwards, compare a checksum of parameters (and of the
@@ -97,6 +99,9 @@ class DistributedDataParallel : public nn::Module {
   Tensor forward(const Tensor& x) override;
   // For modules with other inputs: run `fn` as the forward (same bookkeeping).
   Tensor forward_with(const std::function<Tensor()>& fn);
+  // A forward with several outputs (torch's tuple or dict outputs): find_unused_parameters counts
+  // a parameter as used when any of them depends on it. Returns fn's outputs.
+  std::vector<Tensor> forward_with(const std::function<std::vector<Tensor>()>& fn);
 
   const std::shared_ptr<nn::Module>& module() const { return module_; }
   dist::ProcessGroup& process_group() const { return *group_; }
@@ -183,6 +188,7 @@ class DistributedDataParallel : public nn::Module {
   std::vector<Tensor> synced_states() const;          // the parameters, then the buffers
   void broadcast_tensors(const std::vector<Tensor>& tensors, int root = 0);
   void before_forward();
+  void after_forward(const std::vector<Tensor>& outputs);
   // One join round: every rank says whether it still trains and whether the backward after this
   // forward reduces; all learn how many ranks train, the highest of them, and whether any reduces.
   struct JoinRound {

@@ -28,14 +28,19 @@ std::string join_names(const std::vector<std::string>& names, size_t limit = 8) 
 }
 
 // Every leaf TensorImpl reachable from `root` through the autograd graph.
-std::vector<const TensorImpl*> reachable_leaves(const Tensor& root) {
+std::vector<const TensorImpl*> reachable_leaves(const std::vector<Tensor>& roots) {
   std::vector<const TensorImpl*> leaves;
-  if (!root.defined() || !root.requires_grad()) return leaves;
-  autograd::Edge start = autograd::gradient_edge(root);
-  if (!start.valid()) return leaves;
-  std::vector<autograd::Node*> stack{start.fn.get()};
-  std::vector<const autograd::Node*> seen{start.fn.get()};
-  std::sort(seen.begin(), seen.end());
+  std::vector<autograd::Node*> stack;
+  std::vector<const autograd::Node*> seen;
+  for (const Tensor& root : roots) {
+    if (!root.defined() || !root.requires_grad()) continue;
+    autograd::Edge start = autograd::gradient_edge(root);
+    if (!start.valid()) continue;
+    auto it = std::lower_bound(seen.begin(), seen.end(), start.fn.get());
+    if (it != seen.end() && *it == start.fn.get()) continue;
+    seen.insert(it, start.fn.get());
+    stack.push_back(start.fn.get());
+  }
   while (!stack.empty()) {
     autograd::Node* n = stack.back();
     stack.pop_back();
@@ -271,6 +276,7 @@ void Reducer::reset_iteration() {
   }
   next_launch_ = 0;
   finalize_queued_ = false;
+  static_discovery_ = false;
   unused_.clear();
   // Only a completed synchronized iteration's order may shape the rebuild: one that threw (an
   // unused parameter, a hook error) must not leave a partial order behind to be appended to.
@@ -281,7 +287,7 @@ void Reducer::reset_iteration() {
   local_only_ = group_->size() == 1 && !hook_;
 }
 
-void Reducer::prepare_for_backward(bool sync, const Tensor& output) {
+void Reducer::prepare_for_backward(bool sync, const std::vector<Tensor>& outputs) {
   reset_iteration();
   expect_backward_ = true;
   sync_ = sync;
@@ -292,20 +298,22 @@ void Reducer::prepare_for_backward(bool sync, const Tensor& output) {
     for (size_t i = 0; i < params_.size(); ++i) autograd::set_grad_destination(params_[i].tensor, slot(static_cast<int64_t>(i)));
     destinations_set_ = true;
   }
-  const bool traverse = options_.find_unused_parameters || (options_.static_graph && !static_known_);
-  if (options_.static_graph && static_known_) {
-    unused_ = static_unused_;
-  } else if (traverse) {
-    std::vector<const TensorImpl*> leaves = reachable_leaves(output);
+  if (options_.static_graph) {
+    // The first synchronized iteration finds the unused parameters by the gradients that arrive
+    // (finalize), as torch counts the hooks that fired: a loss that also uses tensors forward did
+    // not return, or parameters outside forward, is fine. Later iterations take that set.
+    if (static_known_) {
+      unused_ = static_unused_;
+    } else {
+      static_discovery_ = true;
+    }
+  } else if (options_.find_unused_parameters) {
+    std::vector<const TensorImpl*> leaves = reachable_leaves(outputs);
     std::sort(leaves.begin(), leaves.end());
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!std::binary_search(leaves.begin(), leaves.end(), params_[i].tensor.impl_ptr().get())) {
         unused_.push_back(static_cast<int64_t>(i));
       }
-    }
-    if (options_.static_graph) {
-      static_unused_ = unused_;
-      static_known_ = true;
     }
   }
 }
@@ -385,7 +393,7 @@ void Reducer::mark_ready(int64_t param) {
   Bucket& b = buckets_[params_[param].bucket];
   if (--b.pending == 0) {
     timings_[params_[param].bucket].ready_s = now_s();
-    if (!options_.delay_allreduce) launch_ready_buckets();
+    if (!options_.delay_allreduce && !static_discovery_) launch_ready_buckets();
   }
 }
 
@@ -446,6 +454,24 @@ void Reducer::finalize() {
     }
   };
 
+  if (static_discovery_) {
+    // static_graph's first synchronized iteration: a parameter whose gradient did not arrive is
+    // this rank's unused one, now and in every later iteration. Its slot gets what an unused
+    // parameter's gets (a gradient from no_sync passes, else zeros); it goes first in the ready
+    // order, as the unused ones do when marked at the first hook.
+    const size_t before = ready_order_.size();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) continue;
+      const auto p = static_cast<int64_t>(i);
+      if (reads_slots()) grad_into_slot(p);
+      static_unused_.push_back(p);
+      mark_ready(p);
+    }
+    if (!rebuilt_) std::rotate(ready_order_.begin(), ready_order_.begin() + static_cast<std::ptrdiff_t>(before), ready_order_.end());
+    static_known_ = true;
+    static_discovery_ = false;
+    launch_ready_buckets();
+  }
   std::vector<std::string> missing;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) missing.push_back(params_[i].name);

@@ -82,8 +82,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ~Reducer();
 
   // Called by DDP's forward. `sync`: whether this iteration's backward reduces (false inside
-  // no_sync). `output`: walked for unused parameters when find_unused_parameters is set.
-  void prepare_for_backward(bool sync, const Tensor& output);
+  // no_sync). `outputs`: the forward's outputs, whose graph is walked for unused parameters when
+  // find_unused_parameters is set (not static_graph: its first synchronized iteration reduces
+  // after backward and counts the gradients that arrived).
+  void prepare_for_backward(bool sync, const std::vector<Tensor>& outputs);
+  void prepare_for_backward(bool sync, const Tensor& output) { prepare_for_backward(sync, std::vector<Tensor>{output}); }
 
   void register_comm_hook(CommHook hook);
 
@@ -215,6 +218,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double backward_end_s_ = 0;
   std::vector<int64_t> static_unused_;  // static_graph: unused set found in the first iteration
   bool static_known_ = false;
+  bool static_discovery_ = false;  // this is static_graph's first synchronized backward: no bucket launches before its end
   int64_t join_divisor_ = 0;  // 0: the world size
 
   // ---- deterministic mode ----
