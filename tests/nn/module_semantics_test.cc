@@ -391,6 +391,36 @@ TEST(ModuleSemantics, EmbeddingAndNormInit) {
   EXPECT_EQ(bn.num_batches_tracked.item<int64_t>(), 0);
 }
 
+// Input ranks as PyTorch's _check_input_dim: BatchNorm1d (N, C) or (N, C, L), BatchNorm2d 4-d,
+// BatchNorm3d 5-d; another rank is a ShapeError naming the expected layout and the shape.
+TEST(ModuleSemantics, BatchNormInputRanks) {
+  auto accepts = [](nn::BatchNorm& bn, const td::Shape& shape) {
+    bn.train();
+    const Tensor y = bn.forward(td::randn(shape));
+    EXPECT_EQ(y.shape(), shape) << bn.type_name();
+  };
+  auto rejects = [](nn::BatchNorm& bn, const td::Shape& shape, const std::string& expected) {
+    try {
+      bn.forward(td::randn(shape));
+      ADD_FAILURE() << bn.type_name() << " accepted " << td::shape_str(shape);
+    } catch (const td::ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(td::shape_str(shape)), std::string::npos) << e.what();
+    }
+  };
+  nn::BatchNorm1d b1(3);
+  accepts(b1, {4, 3});
+  accepts(b1, {4, 3, 5});
+  rejects(b1, {4, 3, 2, 2}, "2-d (N, C) or 3-d (N, C, L)");
+  nn::BatchNorm2d b2(3);
+  accepts(b2, {2, 3, 2, 2});
+  rejects(b2, {2, 3, 2, 2, 2}, "4-d (N, C, H, W)");
+  nn::BatchNorm3d b3(3);
+  accepts(b3, {2, 3, 2, 3, 2});
+  rejects(b3, {2, 3, 2, 2}, "5-d (N, C, D, H, W)");
+  EXPECT_THROW(nn::BatchNorm(3, 3, {}, "BatchNorm"), td::ValueError);
+}
+
 // Successive draws are independent: two layers built one after the other differ, and a layer's
 // bias is not a rescaled copy of its weight's first draws (|r| < 5/sqrt(n) for independent values).
 // The same seed gives the same layer.

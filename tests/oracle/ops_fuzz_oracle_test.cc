@@ -432,13 +432,17 @@ double norm_bound(const Tensor& x_logical, int64_t channels, bool per_channel, i
 
 void add_batch_norm(Sweep& s, DType dt, bool empty) {
   FuzzCase& c = s.start("batch_norm", dt);
-  const int64_t rank = s.pick<int64_t>({2, 3, 4, 4});
+  const int64_t rank = s.pick<int64_t>({2, 3, 4, 4, 5});
   // Mostly few channels; sometimes enough for the vectorised channel kernels (16 lanes) and their
   // remainders, which a channels-last activation runs over rows of C.
   const int64_t C = s.coin(0.3) ? s.pick<int64_t>({16, 17, 31, 33, 48}) : s.uni(1, 5);
   Shape shape{s.uni(1, 4), C};
   if (rank >= 3) shape.push_back(s.uni(1, 6));
   if (rank == 4) shape.push_back(s.coin(0.2) ? s.uni(20, 30) : s.uni(1, 6));  // long channels: more than one 256 block
+  if (rank == 5) {  // (N, C, D, H, W): BatchNorm3d
+    shape.push_back(s.uni(1, 4));
+    shape.push_back(s.uni(1, 5));
+  }
   if (shape_numel(shape) / C == 1) shape[0] = 2;  // training needs more than one value per channel
   if (empty) shape[0] = 0;  // an empty batch: PyTorch leaves the running stats alone
   const bool training = s.coin(0.65), running = !training || s.coin(0.7);

@@ -467,7 +467,7 @@ namespace {
 // batch, then an eval forward; compares outputs, input gradients, summed parameter gradients and
 // running stats.
 void sync_bn_case(std::shared_ptr<ProcessGroup> group, const std::vector<int64_t>& sizes, td::nn::BatchNormOptions o,
-                  bool two_d, const std::string& what) {
+                  int64_t dims, const std::string& what) {
   const int rank = group->rank();
   int64_t total = 0, start = 0;
   for (size_t r = 0; r < sizes.size(); ++r) {
@@ -475,14 +475,18 @@ void sync_bn_case(std::shared_ptr<ProcessGroup> group, const std::vector<int64_t
     total += sizes[r];
   }
   const int64_t n = sizes[static_cast<size_t>(rank)], C = 3;
-  const td::Shape shape = two_d ? td::Shape{total, C} : td::Shape{total, C, 2, 2};
+  // (N, C), (N, C, L), (N, C, H, W), (N, C, D, H, W): one SyncBatchNorm takes every one (torch's).
+  td::Shape shape{total, C};
+  for (int64_t d = 2; d < dims; ++d) shape.push_back(d == 2 ? 2 : 3 - (d == 4));
+  const int64_t spatial = td::shape_numel(shape) / std::max<int64_t>(1, total * C);
   td::Generator gen(11);
   Tensor x = td::ops::add(td::ops::mul(td::randn(shape, td::kFloat32, &gen), 2.0), 0.5);
   Tensor gy = td::randn(shape, td::kFloat32, &gen);
   auto make = [&](bool sync) -> std::shared_ptr<td::nn::BatchNorm> {
-    if (sync) return std::make_shared<td::parallel::SyncBatchNorm>(C, group, o, two_d ? 2 : 4);
-    if (two_d) return std::make_shared<td::nn::BatchNorm1d>(C, o);
-    return std::make_shared<td::nn::BatchNorm2d>(C, o);
+    if (sync) return std::make_shared<td::parallel::SyncBatchNorm>(C, group, o);
+    if (dims <= 3) return std::make_shared<td::nn::BatchNorm1d>(C, o);
+    if (dims == 4) return std::make_shared<td::nn::BatchNorm2d>(C, o);
+    return std::make_shared<td::nn::BatchNorm3d>(C, o);
   };
   auto sync = make(true), bn = make(false);
   for (int it = 0; it < 2; ++it) {  // two iterations: the running stats' second update too
@@ -511,11 +515,12 @@ void sync_bn_case(std::shared_ptr<ProcessGroup> group, const std::vector<int64_t
       if (!o.momentum) {
         // Cumulative average of identical batches: the batch's own mean and unbiased variance
         // (a momentum of 0.1 would give 0.1 and 0.19 of the mean).
-        const std::vector<int64_t> dims = two_d ? std::vector<int64_t>{0} : std::vector<int64_t>{0, 2, 3};
-        Tensor mean = td::ops::mean(x, dims, true);
+        std::vector<int64_t> over{0};
+        for (int64_t d = 2; d < dims; ++d) over.push_back(d);
+        Tensor mean = td::ops::mean(x, over, true);
         Tensor d = td::ops::sub(x, mean);
-        Tensor var = td::ops::div(td::ops::sum(td::ops::mul(d, d), dims), static_cast<double>(x.numel() / C - 1));
-        expect_close(sync->running_mean, td::ops::mean(x, dims), at + ": cumulative running_mean");
+        Tensor var = td::ops::div(td::ops::sum(td::ops::mul(d, d), over), static_cast<double>(x.numel() / C - 1));
+        expect_close(sync->running_mean, td::ops::mean(x, over), at + ": cumulative running_mean");
         expect_close(sync->running_var, var, at + ": cumulative running_var");
       }
     }
@@ -525,21 +530,23 @@ void sync_bn_case(std::shared_ptr<ProcessGroup> group, const std::vector<int64_t
   bn->eval();
   Tensor xr = x.narrow(0, start, n).contiguous();
   Tensor want = o.track_running_stats ? bn->forward(x).narrow(0, start, n) : bn->forward(xr);
-  if (!o.track_running_stats && n * (two_d ? 1 : 4) < 2) return;  // one value per channel: undefined
+  if (!o.track_running_stats && n * spatial < 2) return;  // one value per channel: undefined
   expect_close(sync->forward(xr), want, what + ": eval forward");
 }
 }  // namespace
 
 TEST(DDPSemantics, SyncBatchNormOptionsMatchBatchNormOnTheGlobalBatch) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
-    sync_bn_case(group, {1, 4}, {}, true, "rank 0 has one sample (N, C)");
-    sync_bn_case(group, {1, 3}, {}, false, "rank 0 has one sample (N, C, H, W)");
-    sync_bn_case(group, {0, 5}, {}, false, "rank 0 has an empty batch");
-    sync_bn_case(group, {2, 5}, {.affine = false}, false, "affine=false");
-    sync_bn_case(group, {2, 5}, {.track_running_stats = false}, false, "track_running_stats=false");
-    sync_bn_case(group, {3, 2}, {.momentum = 0.5}, true, "momentum 0.5");
-    sync_bn_case(group, {3, 2}, {.momentum = std::nullopt}, false, "momentum=None (cumulative average)");
-    sync_bn_case(group, {1, 2}, {.momentum = std::nullopt}, true, "momentum=None, rank 0 has one sample");
+    sync_bn_case(group, {1, 4}, {}, 2, "rank 0 has one sample (N, C)");
+    sync_bn_case(group, {1, 3}, {}, 4, "rank 0 has one sample (N, C, H, W)");
+    sync_bn_case(group, {0, 5}, {}, 4, "rank 0 has an empty batch");
+    sync_bn_case(group, {2, 5}, {.affine = false}, 4, "affine=false");
+    sync_bn_case(group, {2, 5}, {.track_running_stats = false}, 4, "track_running_stats=false");
+    sync_bn_case(group, {3, 2}, {.momentum = 0.5}, 2, "momentum 0.5");
+    sync_bn_case(group, {3, 2}, {.momentum = std::nullopt}, 4, "momentum=None (cumulative average)");
+    sync_bn_case(group, {1, 2}, {.momentum = std::nullopt}, 2, "momentum=None, rank 0 has one sample");
+    sync_bn_case(group, {2, 3}, {}, 3, "(N, C, L)");
+    sync_bn_case(group, {1, 2}, {.momentum = std::nullopt}, 5, "(N, C, D, H, W), momentum=None");
   });
 }
 

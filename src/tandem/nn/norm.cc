@@ -8,6 +8,9 @@ namespace tandem::nn {
 BatchNorm::BatchNorm(int64_t n, int64_t expected_dims, const BatchNormOptions& o, std::string type_name)
     : Module(std::move(type_name)), num_features(n), options(o), expected_dims_(expected_dims) {
   TANDEM_CHECK(n > 0, ValueError, "{}: num_features must be positive, got {}", this->type_name(), n);
+  TANDEM_CHECK(expected_dims == 0 || expected_dims == 2 || expected_dims == 4 || expected_dims == 5, ValueError,
+               "{}: expected input dims must be 0 (any (N, C, *)), 2 ((N, C) or (N, C, L)), 4 or 5, got {}",
+               this->type_name(), expected_dims);
   if (o.affine) {
     weight = register_parameter("weight", ones({n}));
     bias = register_parameter("bias", zeros({n}));
@@ -24,9 +27,15 @@ Tensor BatchNorm::forward(const Tensor& x) { return forward_impl(x, false); }
 Tensor BatchNorm::forward_relu(const Tensor& x) { return forward_impl(x, true); }
 
 Tensor BatchNorm::forward_impl(const Tensor& x, bool relu) {
-  const bool ok = expected_dims_ == 4 ? x.dim() == 4 : (x.dim() == 2 || x.dim() == 3);
+  const bool ok = expected_dims_ == 0   ? x.dim() >= 2
+                  : expected_dims_ == 2 ? x.dim() == 2 || x.dim() == 3
+                                        : x.dim() == expected_dims_;
   TANDEM_CHECK(ok, ShapeError, "{}: expected {} input, got shape {}", type_name(),
-               expected_dims_ == 4 ? "4-d (N, C, H, W)" : "2-d (N, C) or 3-d (N, C, L)", shape_str(x.shape()));
+               expected_dims_ == 0   ? "an (N, C, *)"
+               : expected_dims_ == 2 ? "2-d (N, C) or 3-d (N, C, L)"
+               : expected_dims_ == 4 ? "4-d (N, C, H, W)"
+                                     : "5-d (N, C, D, H, W)",
+               shape_str(x.shape()));
   TANDEM_CHECK(x.size(1) == num_features, ShapeError, "{}: expected {} channels, got input of shape {}", type_name(),
                num_features, shape_str(x.shape()));
   const bool use_batch_stats = is_training() || !options.track_running_stats;

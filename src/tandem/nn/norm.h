@@ -20,7 +20,8 @@ struct BatchNormOptions {
   bool track_running_stats = true;
 };
 
-// BatchNorm over (N, C) / (N, C, L) (BatchNorm1d) or (N, C, H, W) (BatchNorm2d).
+// BatchNorm over (N, C) / (N, C, L) (BatchNorm1d), (N, C, H, W) (BatchNorm2d) or (N, C, D, H, W)
+// (BatchNorm3d); expected_dims 2 means "2 or 3", 0 any input of at least 2 dims (SyncBatchNorm).
 class BatchNorm : public Module {
  public:
   BatchNorm(int64_t num_features, int64_t expected_dims, const BatchNormOptions& options, std::string type_name);
@@ -42,7 +43,7 @@ class BatchNorm : public Module {
 
  private:
   Tensor forward_impl(const Tensor& x, bool relu);
-  int64_t expected_dims_;  // 2 means "2 or 3" (BatchNorm1d)
+  int64_t expected_dims_;  // 2 means "2 or 3" (BatchNorm1d), 0 "at least 2"
 };
 
 class BatchNorm1d : public BatchNorm {
@@ -55,6 +56,12 @@ class BatchNorm2d : public BatchNorm {
  public:
   explicit BatchNorm2d(int64_t num_features, const BatchNormOptions& options = {})
       : BatchNorm(num_features, 4, options, "BatchNorm2d") {}
+};
+
+class BatchNorm3d : public BatchNorm {
+ public:
+  explicit BatchNorm3d(int64_t num_features, const BatchNormOptions& options = {})
+      : BatchNorm(num_features, 5, options, "BatchNorm3d") {}
 };
 
 class LayerNorm : public Module {

@@ -21,9 +21,10 @@ std::shared_ptr<const ops::BatchNormGroupStats> group_batch_stats(std::shared_pt
 
 class SyncBatchNorm : public nn::BatchNorm {
  public:
-  // dims: 4 for (N, C, H, W) inputs, 2 for (N, C) or (N, C, L).
+  // dims: 0 (the default, as torch's SyncBatchNorm) any (N, C, *) input; 2 only (N, C) or
+  // (N, C, L), 4 only (N, C, H, W), 5 only (N, C, D, H, W).
   SyncBatchNorm(int64_t num_features, std::shared_ptr<dist::ProcessGroup> group,
-                const nn::BatchNormOptions& options = {}, int64_t dims = 4);
+                const nn::BatchNormOptions& options = {}, int64_t dims = 0);
 };
 
 // Makes every BatchNorm in `module` synchronize over `group` (the layers keep their parameters,
