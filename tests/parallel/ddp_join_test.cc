@@ -44,15 +44,18 @@ using td::testing::fail;
 using td::testing::same_everywhere;
 
 // x -> linear(w1, b1) [-> BatchNorm1d] -> tanh -> linear(w2) [+ extra]. Seeded, so every rank and
-// the reference start from the same values.
+// the reference start from the same values. `hidden` and `out` size the layers (the default is
+// tiny: every collective runs inline; 4096 x 6 makes w1 and w2 96 KiB each, which shm hands to
+// its progress thread).
 struct Net : td::nn::Module {
-  explicit Net(bool batch_norm) : Module("Net") {
+  explicit Net(bool batch_norm, int64_t hidden = 8, int64_t out = 3) : Module("Net") {
     td::Generator gen(11);
-    w1 = register_parameter("w1", td::ops::mul(td::randn({8, 6}, td::kFloat32, &gen), 0.4));
-    b1 = register_parameter("b1", td::ops::mul(td::randn({8}, td::kFloat32, &gen), 0.1));
-    w2 = register_parameter("w2", td::ops::mul(td::randn({3, 8}, td::kFloat32, &gen), 0.4));
-    extra = register_parameter("extra", td::ops::mul(td::randn({3}, td::kFloat32, &gen), 0.1));
-    if (batch_norm) bn = register_module("bn", std::make_shared<td::nn::BatchNorm1d>(8));
+    const double scale = 0.4 * std::sqrt(8.0 / static_cast<double>(hidden));
+    w1 = register_parameter("w1", td::ops::mul(td::randn({hidden, 6}, td::kFloat32, &gen), 0.4));
+    b1 = register_parameter("b1", td::ops::mul(td::randn({hidden}, td::kFloat32, &gen), 0.1));
+    w2 = register_parameter("w2", td::ops::mul(td::randn({out, hidden}, td::kFloat32, &gen), scale));
+    extra = register_parameter("extra", td::ops::mul(td::randn({out}, td::kFloat32, &gen), 0.1));
+    if (batch_norm) bn = register_module("bn", std::make_shared<td::nn::BatchNorm1d>(hidden));
   }
   Tensor run(const Tensor& x, bool use_extra) {
     Tensor h = td::ops::linear(x, w1, b1);
@@ -95,6 +98,7 @@ struct Case {
   int micro = 1;
   // The optimizer steps inside backward (register_fused_optimizer): a joined rank does not step.
   bool fused_optimizer = false;
+  int64_t hidden = 8, out = 3;  // Net's sizes
 };
 
 // Trains with join on this rank's batches and checks the result against the reference.
@@ -105,7 +109,7 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
       fmt::join(c.batches, ","), c.join.divide_by_initial_world_size, c.ddp.gradient_as_bucket_view,
       c.ddp.find_unused_parameters, c.batch_norm, c.bf16_wire, c.powersgd, c.micro, c.fused_optimizer);
   auto uses_extra = [&](int s) { return !c.extra_on_even_steps || s % 2 == 0; };
-  auto model = std::make_shared<Net>(c.batch_norm);
+  auto model = std::make_shared<Net>(c.batch_norm, c.hidden, c.out);
   DistributedDataParallel ddp(model, shared, c.ddp);
   if (c.bf16_wire) ddp.register_comm_hook(td::parallel::bf16_compress_hook);
   if (c.powersgd) {
@@ -142,7 +146,7 @@ void run_case(ProcessGroup& group, std::shared_ptr<ProcessGroup> shared, const C
 
   // The reference: step s averages the gradients of the ranks that had a batch s, over the world
   // (divide_by_initial_world_size) or over those ranks.
-  auto reference = std::make_shared<Net>(c.batch_norm);
+  auto reference = std::make_shared<Net>(c.batch_norm, c.hidden, c.out);
   td::optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
   const int steps = *std::max_element(c.batches.begin(), c.batches.end());
   for (int s = 0; s < steps; ++s) {
@@ -203,6 +207,16 @@ TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
           }
         }
       }
+      // Buckets large enough for shm's progress thread (96 KiB): the joined rank's collectives
+      // run after the calls that issued them returned.
+      {
+        Case c;
+        c.batches = batches;
+        c.ddp = DDPOptions{.bucket_cap_mb = 1e-4, .first_bucket_mb = 1e-4};
+        c.hidden = 4096;
+        c.out = 6;
+        run_case(*group, group, c, 1e-5);
+      }
       // static_graph (its unused-parameter map is all-reduced every iteration) and
       // delay_allreduce (every bucket launched after backward).
       for (const DDPOptions& o : {DDPOptions{.static_graph = true}, DDPOptions{.delay_allreduce = true}}) {
@@ -224,6 +238,39 @@ TEST(DDPJoin, UnevenInputsEqualTheReferenceThatAveragesTheRanksStillTraining) {
       }
     });
   }
+}
+
+// A joined rank's stand-in zeros are what its collectives read and write until they complete
+// (shm's progress thread does so after the call returned): every bucket's buffer must still be
+// alive when the next bucket is issued. Seen from a hook that keeps weak references to the
+// buffers of one backward (the training ranks' are the buckets themselves, always alive).
+TEST(DDPJoin, AJoinedRanksStandInBuffersLiveUntilTheirCollectivesComplete) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = std::make_shared<Net>(false);
+    DistributedDataParallel ddp(model, group, DDPOptions{.bucket_cap_mb = 1e-5, .first_bucket_mb = 1e-5});
+    std::vector<std::weak_ptr<td::Storage>> issued;  // this backward's bucket buffers, in order
+    int64_t checks = 0;
+    ddp.register_comm_hook([&](ProcessGroup& g, td::parallel::GradBucket& b) {
+      if (b.index == 0) issued.clear();
+      for (size_t i = 0; i < issued.size(); ++i) {
+        if (issued[i].expired()) fail(fmt::format("rank {}: bucket {}'s buffer was freed before bucket {} was issued", rank, i, b.index));
+        ++checks;
+      }
+      issued.push_back(b.buffer.storage());
+      return td::parallel::allreduce_hook(g, b);
+    });
+    td::optim::SGD opt(model->parameters(), {.lr = 0.1});
+    ddp.join([&] {
+      for (int s = 0; s < (rank == 0 ? 3 : 1); ++s) {
+        opt.zero_grad();
+        loss_of(ddp.forward_with([&] { return model->run(batch(s, rank), true); })).backward();
+        opt.step();
+      }
+    });
+    if (ddp.reducer().bucket_indices().size() < 3) fail("the model should make at least 3 buckets");
+    if (checks == 0) fail("the hook checked nothing");
+  });
 }
 
 // The same over gloo (another backend's collectives; no collective-mismatch detection there, so a

@@ -616,10 +616,14 @@ void Reducer::shadow_backward() {
   if (group_->size() == 1) return;
   TANDEM_CHECK(!options_.deterministic, ValueError, "DDP join does not support the deterministic mode");
   // Every bucket is issued before any is waited for, as the training ranks launch them while
-  // their backward runs; zeros stand for this rank's gradients.
+  // their backward runs; zeros stand for this rank's gradients. The zeros live until every
+  // collective has completed: a backend may read and write them after start_collective returned
+  // (shm's progress thread does for large buffers), and a freed block would be the next bucket's.
+  std::vector<Tensor> zero_buckets;
   std::vector<HookResult> results;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    results.push_back(start_collective(static_cast<int64_t>(bi), zeros({buckets_[bi].numel}, buckets_[bi].dtype)));
+    zero_buckets.push_back(zeros({buckets_[bi].numel}, buckets_[bi].dtype));
+    results.push_back(start_collective(static_cast<int64_t>(bi), zero_buckets.back()));
   }
   for (auto& r : results) {
     r.work->wait();
