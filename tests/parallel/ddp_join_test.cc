@@ -273,6 +273,30 @@ TEST(DDPJoin, AJoinedRanksStandInBuffersLiveUntilTheirCollectivesComplete) {
   });
 }
 
+// Inside join a forward with gradients announces a synchronized backward to the joined ranks;
+// skipping that backward puts the ranks out of step: every rank ends with an error that says so
+// (shm detects the mismatched collectives), not a hang or a bare "collective mismatch".
+TEST(DDPJoin, ASkippedBackwardInsideJoinEndsEveryRankWithAnErrorThatSaysWhy) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto model = std::make_shared<Net>(false);
+    DistributedDataParallel ddp(model, group);
+    try {
+      ddp.join([&] {
+        for (int s = 0; s < (rank == 0 ? 3 : 1); ++s) {
+          Tensor out = ddp.forward_with([&] { return model->run(batch(s, rank), true); });
+          if (s == 1) continue;  // rank 0 skips this batch after its forward
+          loss_of(out).backward();
+        }
+      });
+      fail(fmt::format("rank {}: join returned", rank));
+    } catch (const td::dist::CommError& e) {
+      if (std::string(e.what()).find("fell out of step") == std::string::npos)
+        fail(fmt::format("rank {}: the error does not say why: {}", rank, e.what()));
+    }
+  });
+}
+
 // The same over gloo (another backend's collectives; no collective-mismatch detection there, so a
 // wrong answer would show as a timeout or a wrong result).
 TEST(DDPJoin, UnevenInputsOverGloo) {

@@ -309,6 +309,87 @@ TEST(DDPSemantics, ALossBeyondTheReturnedTensorWorksWithFindUnusedOverEveryOutpu
 }
 
 // ---------------------------------------------------------------------------------------------
+// Error paths leave nothing behind. A backward that throws half-way (here a communication hook at
+// the second bucket, on every rank) ends DDP's iteration with it: a later backward that no DDP
+// forward armed (the wrapped module called directly) is not taken for part of it, and the next
+// DDP iteration averages as usual. A fused optimizer that throws on one rank only, in the first
+// iteration (whose end rebuilds the buckets, a collective), leaves that rank in step with the
+// others: the next iteration goes through and averages.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, ABackwardThatThrowsLeavesNothingBehindAndAFailingFusedStepKeepsTheRanksInStep) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int world = group->size(), rank = group->rank();
+    auto loss_on = [](const Tensor& y) { return td::ops::sum(td::ops::mul(y, y)); };
+    // The gradients of one averaged step from the start values (grads of `reference` cleared first).
+    auto averaged = [&](int s) {
+      auto reference = std::make_shared<TwoHeads>();
+      for (int r = 0; r < world; ++r) {
+        auto y = reference->run(probe_input(s, r, 0));
+        td::ops::mul(td::ops::add(loss_on(y[0]), loss_on(y[1])), 1.0 / world).backward();
+      }
+      return reference;
+    };
+    auto expect_averaged = [&](const TwoHeads& got, int s, const std::string& what) {
+      auto want = averaged(s);
+      for (const char* name : {"trunk", "a", "b"}) {
+        expect_close(td::testing::find_tensor(got.state_dict(), name).grad(),
+                     td::testing::find_tensor(want->state_dict(), name).grad(), what + ": grad of " + name);
+      }
+    };
+    {
+      auto model = std::make_shared<TwoHeads>();
+      DistributedDataParallel ddp(model, group, DDPOptions{.bucket_cap_mb = 1e-5, .first_bucket_mb = 1e-5,
+                                                           .params_and_buffers_to_ignore = {"never", "outside"}});
+      bool fail_next = true;
+      ddp.register_comm_hook([&](ProcessGroup& g, td::parallel::GradBucket& b) {
+        if (b.index == 1 && fail_next) throw td::ValueError("test hook: bucket 1 fails");
+        return td::parallel::allreduce_hook(g, b);
+      });
+      try {
+        auto y = ddp.forward_with([&] { return model->run(probe_input(0, rank, 0)); });
+        td::ops::add(loss_on(y[0]), loss_on(y[1])).backward();
+        fail("the hook's error did not leave backward");
+      } catch (const td::ValueError& e) {
+        if (std::string(e.what()).find("bucket 1 fails") == std::string::npos) fail(std::string("another error: ") + e.what());
+      }
+      fail_next = false;
+      // Not through DDP: a local backward, no collective, no complaint about gradients twice.
+      auto y = model->run(probe_input(0, rank, 0));
+      td::ops::add(loss_on(y[0]), loss_on(y[1])).backward();
+      model->zero_grad();
+      auto y2 = ddp.forward_with([&] { return model->run(probe_input(1, rank, 0)); });
+      td::ops::add(loss_on(y2[0]), loss_on(y2[1])).backward();
+      expect_averaged(*model, 1, "the DDP iteration after a failed backward");
+    }
+    {
+      auto model = std::make_shared<TwoHeads>();
+      DistributedDataParallel ddp(model, group, DDPOptions{.find_unused_parameters = true});
+      auto opt = std::make_shared<td::optim::SGD>(model->parameters(), td::optim::SGDOptions{.lr = 0.0});
+      bool fail_once = rank == 1;
+      opt->register_step_post_hook([&](td::optim::Optimizer&) {
+        if (fail_once) {
+          fail_once = false;
+          throw td::ValueError("test: rank 1's step fails");
+        }
+      });
+      ddp.register_fused_optimizer(opt);
+      for (int s = 0; s < 2; ++s) {
+        opt->zero_grad();
+        try {
+          auto y = ddp.forward_with([&] { return model->run(probe_input(s, rank, 0)); });
+          td::ops::add(loss_on(y[0]), loss_on(y[1])).backward();
+          if (s == 0 && rank == 1) fail("rank 1's failing step did not throw");
+        } catch (const td::ValueError& e) {
+          if (s != 0 || rank != 1) fail(fmt::format("rank {} step {}: {}", rank, s, e.what()));
+        }
+      }
+      expect_averaged(*model, 1, "the iteration after one rank's fused step failed");  // lr 0: start values
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Frozen and tied parameters: the frozen one is not in any bucket and keeps no gradient; the tied
 // one is in one bucket once, its gradient (from both uses) reduced once.
 // ---------------------------------------------------------------------------------------------

@@ -109,17 +109,36 @@ struct OfferScope {
   OfferScope& operator=(const OfferScope&) = delete;
 };
 
-// Callbacks of the backward passes running on this thread (innermost last).
-thread_local std::vector<std::vector<std::function<void()>>> callback_frames;
+// A queued callback and what runs instead when its backward throws before it ran.
+struct QueuedCallback {
+  std::function<void()> fn, on_abort;
+  bool started = false;
+};
 
-// Pushes a callback frame for one backward pass and pops it however the pass ends.
+// Callbacks of the backward passes running on this thread (innermost last).
+thread_local std::vector<std::vector<QueuedCallback>> callback_frames;
+
+// Pushes a callback frame for one backward pass and pops it however the pass ends; a pass that
+// ends by an exception runs the on_abort of the callbacks that did not start.
 struct CallbackFrame {
   CallbackFrame() { callback_frames.emplace_back(); }
-  ~CallbackFrame() { callback_frames.pop_back(); }
+  ~CallbackFrame() {
+    // Moved out first: an on_abort may not queue into a frame that is going away.
+    std::vector<QueuedCallback> left = std::move(callback_frames.back());
+    callback_frames.pop_back();
+    for (auto& cb : left) {
+      if (cb.started || !cb.on_abort) continue;
+      try {
+        cb.on_abort();
+      } catch (...) {  // an abort handler must not replace the exception in flight
+      }
+    }
+  }
   void run_all() {
     // Index loop: a callback may queue more callbacks into this frame.
     for (size_t i = 0; i < callback_frames.back().size(); ++i) {
-      auto fn = std::move(callback_frames.back()[i]);
+      callback_frames.back()[i].started = true;
+      auto fn = std::move(callback_frames.back()[i].fn);
       fn();
     }
   }
@@ -232,10 +251,10 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
 
 }  // namespace
 
-void queue_callback(std::function<void()> fn) {
+void queue_callback(std::function<void()> fn, std::function<void()> on_abort) {
   TANDEM_CHECK(!callback_frames.empty(), AutogradError,
                "queue_callback: no backward pass is running on this thread (call it from a hook during backward)");
-  callback_frames.back().push_back(std::move(fn));
+  callback_frames.back().push_back(QueuedCallback{std::move(fn), std::move(on_abort)});
 }
 
 bool in_backward() { return !callback_frames.empty(); }

@@ -20,8 +20,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 // Queues `fn` to run once the backward pass now executing on this thread has finished every node
 // (torch's Variable._execution_engine.queue_callback): DDP's reducer finalizes its buckets there.
 // Callbacks run in queue order on the backward's thread; one queued by a callback runs too. If the
-// backward throws, its queued callbacks are dropped. Throws AutogradError outside a backward.
-void queue_callback(std::function<void()> fn);
+// backward throws (a node, a hook, or an earlier callback), the callbacks not yet run are dropped
+// and their `on_abort` (optional, must not throw) runs instead, as the exception leaves backward:
+// the reducer's chance to settle collectives it started and forget the iteration. Throws
+// AutogradError outside a backward.
+void queue_callback(std::function<void()> fn, std::function<void()> on_abort = {});
 // Whether a backward pass is running on this thread (hooks may ask).
 bool in_backward();
 

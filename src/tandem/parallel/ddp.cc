@@ -321,7 +321,11 @@ DistributedDataParallel::JoinRound DistributedDataParallel::join_round(bool acti
   int64_t* v = t.data_ptr<int64_t>();
   v[group_->rank()] = active ? 1 : 0;
   v[world] = sync ? 1 : 0;
-  group_->all_reduce(t, dist::ReduceOp::SUM)->wait();
+  try {
+    group_->all_reduce(t, dist::ReduceOp::SUM)->wait();
+  } catch (const dist::CommError& e) {
+    dist::rethrow_with_hint(e, kJoinLockstepHint);
+  }
   JoinRound round;
   for (int r = 0; r < world; ++r) {
     if (v[r] != 0) {

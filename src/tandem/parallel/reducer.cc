@@ -265,7 +265,30 @@ void Reducer::clear_destinations() {
   destinations_set_ = false;
 }
 
+void Reducer::drain_launched() {
+  for (auto& b : buckets_) {
+    if (!b.launched || !b.result.work) continue;
+    try {
+      b.result.work->wait();
+    } catch (...) {  // the failure is reported where it is waited for in earnest, or was already
+    }
+  }
+}
+
+void Reducer::abort_iteration() {
+  // A backward that threw before finalize (a node, a hook, a comm hook at launch): its launched
+  // collectives read and write the buckets in place until they complete, and the next iteration
+  // must start from nothing. The micro-batches of a deterministic step are dropped with it: the
+  // step cannot be completed bit for bit.
+  if (options_.deterministic) micro_grads_.clear();
+  reset_iteration();
+  expect_backward_ = false;
+}
+
 void Reducer::reset_iteration() {
+  // Collectives of an iteration that ended early may still run on the buckets (shm's progress
+  // thread): settle them before the buckets are reused or moved.
+  drain_launched();
   clear_destinations();
   std::fill(ready_.begin(), ready_.end(), 0);
   std::fill(locally_used_.begin(), locally_used_.end(), 0);
@@ -324,15 +347,19 @@ void Reducer::on_gradient_ready(int64_t param) {
     finalize_queued_ = true;
     start_ = std::chrono::steady_clock::now();
     std::weak_ptr<Reducer> weak = weak_from_this();
-    autograd::queue_callback([weak] {
-      if (auto self = weak.lock()) {
-        if (self->options_.deterministic) {
-          self->finalize_deterministic();
-        } else {
-          self->finalize();
-        }
-      }
-    });
+    autograd::queue_callback(
+        [weak] {
+          if (auto self = weak.lock()) {
+            if (self->options_.deterministic) {
+              self->finalize_deterministic();
+            } else {
+              self->finalize();
+            }
+          }
+        },
+        [weak] {
+          if (auto self = weak.lock()) self->abort_iteration();
+        });
     if (sync_ && !options_.deterministic) {
       // Unused in this pass, but a parameter may hold a gradient accumulated in earlier no_sync
       // passes: that one is reduced like any other (PyTorch copies a defined grad too), else zeros.
@@ -444,33 +471,36 @@ void Reducer::finalize() {
   std::vector<char> used_before(params_.size(), 0);
   used_before.swap(used_since_sync_);
 
-  auto drain = [&] {
-    for (auto& b : buckets_) {
-      if (!b.launched || !b.result.work) continue;
-      try {
-        b.result.work->wait();
-      } catch (...) {
-      }
+  auto drain = [&] { drain_launched(); };
+  // Launching runs the communication hook, which may throw: the buckets already launched are
+  // settled and the iteration forgotten before the error leaves.
+  auto launch_remaining = [&] {
+    try {
+      launch_ready_buckets();
+    } catch (...) {
+      reset_iteration();
+      throw;
     }
   };
 
-  if (static_discovery_) {
-    // static_graph's first synchronized iteration: a parameter whose gradient did not arrive is
-    // this rank's unused one, now and in every later iteration. Its slot gets what an unused
-    // parameter's gets (a gradient from no_sync passes, else zeros); it goes first in the ready
-    // order, as the unused ones do when marked at the first hook.
+  // static_graph's first synchronized iteration: a parameter whose gradient did not arrive is
+  // this rank's unused one, now and in every later iteration (kept once the iteration succeeded).
+  // Its slot gets what an unused parameter's gets (a gradient from no_sync passes, else zeros);
+  // it goes first in the ready order, as the unused ones do when marked at the first hook.
+  std::vector<int64_t> discovered;
+  const bool discovering = static_discovery_;
+  if (discovering) {
     const size_t before = ready_order_.size();
     for (size_t i = 0; i < params_.size(); ++i) {
       if (ready_[i]) continue;
       const auto p = static_cast<int64_t>(i);
       if (reads_slots()) grad_into_slot(p);
-      static_unused_.push_back(p);
+      discovered.push_back(p);
       mark_ready(p);
     }
     if (!rebuilt_) std::rotate(ready_order_.begin(), ready_order_.begin() + static_cast<std::ptrdiff_t>(before), ready_order_.end());
-    static_known_ = true;
     static_discovery_ = false;
-    launch_ready_buckets();
+    launch_remaining();
   }
   std::vector<std::string> missing;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -491,7 +521,7 @@ void Reducer::finalize() {
         "iterations), construct DDP with find_unused_parameters=true",
         missing.size(), join_names(missing)));
   }
-  if (options_.delay_allreduce) launch_ready_buckets();
+  if (options_.delay_allreduce) launch_remaining();
 
   // With bucket_done_ (DDP's fused optimizer) each bucket goes to grad() (hand_over) and to
   // bucket_done_ as soon as it completed, unless the parameters some rank used are only known
@@ -537,17 +567,37 @@ void Reducer::finalize() {
     if (group_->size() > 1) {
       Tensor used = tensor(std::vector<double>(globally_used.begin(), globally_used.end()),
                            {static_cast<int64_t>(params_.size())}, kUInt8);
-      group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
+      try {
+        group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
+      } catch (const dist::CommError& e) {
+        reset_iteration();
+        dist::rethrow_with_hint(e,
+                                "DistributedDataParallel: the all-reduce of the used-parameter map after backward "
+                                "failed. If some rank ran out of batches before the others (uneven inputs), run each "
+                                "rank's training loop inside DistributedDataParallel::join");
+      }
       std::copy_n(used.data_ptr<uint8_t>(), params_.size(), globally_used.begin());
     }
   }
+  if (discovering) {
+    static_unused_ = std::move(discovered);
+    static_known_ = true;
+  }
+  // A fused optimizer that throws on some ranks must not keep them from the bucket rebuild, a
+  // collective the others issue.
+  std::exception_ptr step_error;
   if (!per_bucket) {
     for (int64_t bi = 0; bi < static_cast<int64_t>(buckets_.size()); ++bi) hand_over(bi, globally_used);
-    every_bucket_done();
+    try {
+      every_bucket_done();
+    } catch (...) {
+      step_error = std::current_exception();
+    }
   }
 
   if (!rebuilt_) rebuild_buckets();
   ++iteration_;
+  if (step_error) std::rethrow_exception(step_error);
 }
 
 // The averaged values into grad(). Without bucket views, a gradient that nothing but its
@@ -621,21 +671,36 @@ void Reducer::shadow_backward() {
   // (shm's progress thread does for large buffers), and a freed block would be the next bucket's.
   std::vector<Tensor> zero_buckets;
   std::vector<HookResult> results;
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    zero_buckets.push_back(zeros({buckets_[bi].numel}, buckets_[bi].dtype));
-    results.push_back(start_collective(static_cast<int64_t>(bi), zero_buckets.back()));
-  }
-  for (auto& r : results) {
-    r.work->wait();
-    if (r.then) r.then();
-  }
-  if (options_.find_unused_parameters || options_.static_graph) {
-    Tensor used = zeros({static_cast<int64_t>(params_.size())}, kUInt8);
-    group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
-  }
-  if (!rebuilt_) {
-    ready_order_.clear();  // a joined rank 0 has no ready order of its own: registration order reversed
-    rebuild_buckets();
+  struct Settle {  // however this ends, no collective still runs on the zeros when they go
+    std::vector<HookResult>& results;
+    ~Settle() {
+      for (auto& r : results) {
+        try {
+          if (r.work) r.work->wait();
+        } catch (...) {
+        }
+      }
+    }
+  } settle{results};
+  try {
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      zero_buckets.push_back(zeros({buckets_[bi].numel}, buckets_[bi].dtype));
+      results.push_back(start_collective(static_cast<int64_t>(bi), zero_buckets.back()));
+    }
+    for (auto& r : results) {
+      r.work->wait();
+      if (r.then) r.then();
+    }
+    if (options_.find_unused_parameters || options_.static_graph) {
+      Tensor used = zeros({static_cast<int64_t>(params_.size())}, kUInt8);
+      group_->all_reduce(used, dist::ReduceOp::MAX)->wait();
+    }
+    if (!rebuilt_) {
+      ready_order_.clear();  // a joined rank 0 has no ready order of its own: registration order reversed
+      rebuild_buckets();
+    }
+  } catch (const dist::CommError& e) {
+    dist::rethrow_with_hint(e, kJoinLockstepHint);
   }
 }
 

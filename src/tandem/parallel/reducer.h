@@ -184,6 +184,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The one-time rebuild in rank 0's ready order (a collective: a broadcast from rank 0).
   void rebuild_buckets();
   void reset_iteration();
+  // Waits for every launched bucket's collective, failures ignored.
+  void drain_launched();
+  // The iteration's backward threw before finalize ran (autograd's on_abort).
+  void abort_iteration();
   void clear_destinations();  // the parameters' gradient destinations (set by prepare_for_backward)
   double now_s() const;
 
@@ -234,6 +238,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 // ---- built-in communication hooks (torch.distributed.algorithms.ddp_comm_hooks) ----
 // all_reduce with AVG in the bucket's dtype (the default).
 HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket);
+
+// What a collective that failed inside DistributedDataParallel::join most likely means.
+inline constexpr const char* kJoinLockstepHint =
+    "DistributedDataParallel.join: the ranks' iterations fell out of step. Inside join every forward of the DDP "
+    "module with gradients enabled must be followed by its backward (a batch skipped after its forward belongs "
+    "under NoGradGuard or no_sync), and every rank must call join with the same options";
 // f32 bucket sent as f16 / bf16 (the backend accumulates in f32), averaged, cast back.
 HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
 HookResult bf16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
