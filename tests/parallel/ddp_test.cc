@@ -576,6 +576,32 @@ TEST(DDP, ReplicaCheckNamesTheCorruptedOptimizerState) {
   });
 }
 
+// The checksums are compared by position, so the ranks must hold state for the same parameters:
+// momentum made for parameter 0 on rank 0 and for parameter 1 on rank 1 (zeros on both, equal
+// bytes) is a difference, named, not a silent pass.
+TEST(DDP, ReplicaCheckNamesOptimizerStateThatExistsOnSomeRanksOnly) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    struct Two : td::nn::Module {
+      Two() : Module("Two") {
+        a = register_parameter("a", td::ones({4}));
+        b = register_parameter("b", td::ones({4}));
+      }
+      Tensor forward(const Tensor& x) override { return td::ops::add(td::ops::mul(x, a), b); }
+      Tensor a, b;
+    };
+    auto model = std::make_shared<Two>();
+    DistributedDataParallel ddp(model, group);
+    td::optim::SGD opt(model->parameters(), td::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    ddp.attach_optimizer(&opt);
+    Tensor mine = group->rank() == 0 ? model->a : model->b;
+    mine.set_grad(td::zeros({4}));  // only this one gets momentum state (zeros)
+    opt.step();
+    expect_error([&] { ddp.check_replicas(); },
+                 {"optimizer state[0].momentum_buffer on rank 0 but optimizer state[1].momentum_buffer on rank 1"},
+                 "state on different parameters");
+  });
+}
+
 namespace {
 // Rank 2 of 3 is SIGKILLed at step 3 of training over `backend`: both survivors get an error
 // naming rank 2 within twice the 3 s timeout.

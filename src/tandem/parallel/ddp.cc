@@ -456,12 +456,15 @@ void DistributedDataParallel::check_replicas() {
       }
     }
   }
-  const auto counts = dist::all_gather_i64(*group_, {static_cast<int64_t>(sums.size())});
-  for (int r = 1; r < group_->size(); ++r) {
-    TANDEM_CHECK(counts[r][0] == counts[0][0], ValueError,
-                 "check_replicas: rank {} has {} tensors to compare but rank 0 has {} (different model or "
-                 "optimizer state)",
-                 r, counts[r][0], counts[0][0]);
+  // The checksums are compared by position: the ranks must first agree on what each position holds
+  // (the same parameters, and optimizer state for the same ones: momentum made lazily on some
+  // ranks only would otherwise be compared with another parameter's).
+  if (const dist::LinesDifference d = dist::differences_from_rank0(*group_, {names})[0]; !d.ranks.empty()) {
+    auto side = [](const std::optional<std::string>& line) { return line ? *line : std::string("nothing more"); };
+    throw ValueError(fmt::format(
+        "check_replicas: the ranks hold different tensors to compare ({} from rank 0): item #{} is {} on rank 0 but "
+        "{} on rank {} (a different model, or optimizer state that exists on some ranks only)",
+        dist::ranks_differ(d.ranks), d.line, side(d.at0), side(d.at_first), d.ranks.front()));
   }
   const auto all = dist::all_gather_i64(*group_, sums);
   for (size_t i = 0; i < sums.size(); ++i) {
