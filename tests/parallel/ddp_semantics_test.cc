@@ -390,6 +390,54 @@ TEST(DDPSemantics, ABackwardThatThrowsLeavesNothingBehindAndAFailingFusedStepKee
 }
 
 // ---------------------------------------------------------------------------------------------
+// The deterministic mode and a parameter no micro-batch of any rank used: with
+// find_unused_parameters it keeps no gradient (not zeros, which momentum would act on), as the
+// overlapped path leaves it; one rank's use gives it the average; without the option every rank
+// gets an error naming it.
+// ---------------------------------------------------------------------------------------------
+
+TEST(DDPSemantics, DeterministicModeLeavesAParameterNoRankUsedWithoutGradient) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    auto step = [&](DistributedDataParallel& ddp, Probe& model, auto uses) {
+      for (int i = 0; i < 2; ++i) {
+        auto loss = [&] { return td::ops::sum(ddp.forward_with([&] { return model.run(probe_input(0, rank, i), uses(i)); })); };
+        if (i == 0) {
+          auto guard = ddp.no_sync();
+          loss().backward();
+        } else {
+          loss().backward();
+        }
+      }
+    };
+    {
+      auto model = std::make_shared<Probe>();
+      DistributedDataParallel ddp(model, group, DDPOptions{.find_unused_parameters = true, .deterministic = true});
+      step(ddp, *model, [](int) { return false; });
+      if (model->extra.grad().defined()) fail("extra, unused everywhere, got a gradient");
+      if (!model->w2.grad().defined()) fail("w2 got no gradient");
+      model->zero_grad();
+      step(ddp, *model, [&](int i) { return rank == 0 && i == 1; });
+      if (!model->extra.grad().defined()) fail("extra, used in one micro-batch of rank 0, got no gradient");
+      if (!td::testing::same_everywhere(*group, model->extra.grad())) fail("extra's gradient differs across ranks");
+    }
+    {
+      auto model = std::make_shared<Probe>();
+      DistributedDataParallel ddp(model, group, DDPOptions{.deterministic = true});
+      try {
+        step(ddp, *model, [](int) { return false; });
+        fail("a parameter no rank used should be an error without find_unused_parameters");
+      } catch (const td::AutogradError& e) {
+        const std::string msg = e.what();
+        for (const char* needle : {": extra", "on any rank", "find_unused_parameters=true"}) {
+          if (msg.find(needle) == std::string::npos) fail(fmt::format("the error lacks \"{}\": {}", needle, msg));
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Frozen and tied parameters: the frozen one is not in any bucket and keeps no gradient; the tied
 // one is in one bucket once, its gradient (from both uses) reduced once.
 // ---------------------------------------------------------------------------------------------

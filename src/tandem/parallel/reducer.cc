@@ -747,17 +747,42 @@ void Reducer::finalize_deterministic() {
     tree_sum(leaves, params_[i].tensor.numel(), local + off);
     off += params_[i].tensor.numel();
   }
+  // Whether some micro-batch of this rank gave each parameter a gradient.
+  const auto np = static_cast<int64_t>(params_.size());
+  std::vector<int64_t> head(static_cast<size_t>(1 + np), 0);
+  head[0] = k;
+  for (const auto& micro : micro_grads_) {
+    for (int64_t i = 0; i < np; ++i) head[static_cast<size_t>(1 + i)] |= micro[static_cast<size_t>(i)].defined() ? 1 : 0;
+  }
   micro_grads_.clear();
 
-  // Every rank must contribute the same number of micro-batches, or the tree would differ.
-  Tensor ks = empty({world}, kInt64);
-  Tensor my_k = tensor(std::vector<int64_t>{k}, {1});
+  // Every rank must contribute the same number of micro-batches, or the tree would differ; with
+  // it goes which parameters each rank used.
+  Tensor ks = empty({world * (1 + np)}, kInt64);
+  Tensor my_k = tensor(head, {1 + np});
   group_->all_gather(dist::as_buffer(ks), dist::as_buffer(my_k))->wait();
+  const int64_t* heads = ks.data_ptr<int64_t>();
   for (int64_t r = 0; r < world; ++r) {
-    TANDEM_CHECK(ks.data_ptr<int64_t>()[r] == k, ValueError,
+    TANDEM_CHECK(heads[r * (1 + np)] == k, ValueError,
                  "DDP deterministic mode: rank {} accumulated {} micro-batches in this step but rank {} accumulated "
                  "{}; every rank must run the same number of micro-batches per step",
-                 group_->rank(), k, r, ks.data_ptr<int64_t>()[r]);
+                 group_->rank(), k, r, heads[r * (1 + np)]);
+  }
+  // A parameter no micro-batch of any rank used keeps no gradient (as the overlapped path leaves
+  // it with find_unused_parameters), or is an error naming it: zeros would let momentum and weight
+  // decay move it.
+  std::vector<char> used(static_cast<size_t>(np), 0);
+  std::vector<std::string> unused_names;
+  for (int64_t i = 0; i < np; ++i) {
+    for (int64_t r = 0; r < world; ++r) used[static_cast<size_t>(i)] |= heads[r * (1 + np) + 1 + i] != 0 ? 1 : 0;
+    if (!used[static_cast<size_t>(i)]) unused_names.push_back(params_[static_cast<size_t>(i)].name);
+  }
+  if (!unused_names.empty() && !options_.find_unused_parameters && !options_.static_graph) {
+    throw AutogradError(fmt::format(
+        "DistributedDataParallel (deterministic): {} parameter(s) received no gradient in this step on any rank: {}. "
+        "Every parameter must take part in computing the loss; if some are unused on purpose, construct DDP with "
+        "find_unused_parameters=true",
+        unused_names.size(), join_names(unused_names)));
   }
   group_->all_gather(dist::as_buffer(det_all_), dist::as_buffer(det_local_))->wait();
   // The tree over the ranks' sums (each a subtree of k leaves), divided by the number of
@@ -766,12 +791,15 @@ void Reducer::finalize_deterministic() {
   const float* all = det_all_.data_ptr<float>();
   off = 0;
   std::vector<const float*> blocks(static_cast<size_t>(world));
-  for (auto& p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
     const int64_t n = p.tensor.numel();
-    for (int64_t r = 0; r < world; ++r) blocks[static_cast<size_t>(r)] = all + r * total + off;
-    Tensor g = empty(p.tensor.shape(), kFloat32);
-    tree_sum(blocks, n, g.data_ptr<float>(), count);
-    p.tensor.set_grad(g.dtype() == p.tensor.dtype() ? g : g.to(p.tensor.dtype()));
+    if (used[i]) {
+      for (int64_t r = 0; r < world; ++r) blocks[static_cast<size_t>(r)] = all + r * total + off;
+      Tensor g = empty(p.tensor.shape(), kFloat32);
+      tree_sum(blocks, n, g.data_ptr<float>(), count);
+      p.tensor.set_grad(g.dtype() == p.tensor.dtype() ? g : g.to(p.tensor.dtype()));
+    }
     off += n;
   }
   ++iteration_;
