@@ -3,6 +3,11 @@
 // them exactly (Chan et al.; unequal per-rank batches are fine); backward all-reduces the two
 // per-channel sums (dy, dy * (x - mean)). Invariant: running stats are computed from the same
 // gathered numbers in the same order on every rank, so they stay identical everywhere.
+// Its backward all-reduce runs inside backward, between DDP's bucket all-reduces: under
+// find_unused_parameters with a set of unused parameters that differs across ranks, a bucket may
+// launch before it on one rank and after it on another (as in PyTorch); shm reports that as a
+// collective mismatch, other backends may pair the wrong collectives. Keep the unused set the same
+// on every rank there, or give SyncBatchNorm a process group of its own.
 #pragma once
 
 #include <memory>
