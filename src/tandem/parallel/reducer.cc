@@ -554,7 +554,8 @@ void Reducer::finalize() {
     dist::rethrow_with_hint(e,
                             "DistributedDataParallel: the gradient all-reduce after backward failed. If some rank ran "
                             "out of batches before the others (uneven inputs), run each rank's training loop inside "
-                            "DistributedDataParallel::join");
+                            "DistributedDataParallel::join; if another rank stopped with an error about a parameter "
+                            "that received no gradient, that error is the cause");
   } catch (...) {
     drain();
     reset_iteration();
