@@ -2,13 +2,10 @@
 // _exit. The parent polls the pipes and reaps children until all ended or the deadline passed.
 #include "tandem/dist/spawn.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <cxxabi.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -61,24 +58,6 @@ std::string ProcessResult::describe() const {
 }
 
 SpawnError::SpawnError(const ProcessResult& r) : Error("dist::spawn: " + r.describe()), result_(r) {}
-
-int find_free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  TANDEM_CHECK(fd >= 0, CommError, "find_free_port: socket() failed: {}", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int e = errno;
-    close(fd);
-    throw CommError(fmt::format("find_free_port: cannot bind a port on 127.0.0.1: {}", std::strerror(e)));
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 std::vector<ProcessResult> spawn_results(int nprocs, const std::function<void(int)>& fn, const SpawnOptions& options) {
   TANDEM_CHECK(nprocs >= 1, ValueError, "dist::spawn: nprocs must be >= 1, got {}", nprocs);

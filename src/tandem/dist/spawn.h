@@ -63,7 +63,4 @@ void spawn(int nprocs, const std::function<void(int rank)>& fn, const SpawnOptio
 std::vector<ProcessResult> spawn_results(int nprocs, const std::function<void(int rank)>& fn,
                                          const SpawnOptions& options = {});
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
-int find_free_port();
-
 }  // namespace tandem::dist

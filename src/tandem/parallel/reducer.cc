@@ -471,7 +471,6 @@ void Reducer::finalize() {
   std::vector<char> used_before(params_.size(), 0);
   used_before.swap(used_since_sync_);
 
-  auto drain = [&] { drain_launched(); };
   // Launching runs the communication hook, which may throw: the buckets already launched are
   // settled and the iteration forgotten before the error leaves.
   auto launch_remaining = [&] {
@@ -507,8 +506,7 @@ void Reducer::finalize() {
     if (!ready_[i]) missing.push_back(params_[i].name);
   }
   if (!missing.empty()) {
-    drain();
-    reset_iteration();
+    reset_iteration();  // settles what was launched
     if (options_.static_graph) {
       throw AutogradError(fmt::format(
           "DDP(static_graph=true): {} parameter(s) used in the first synchronized iteration received no gradient "
@@ -548,8 +546,7 @@ void Reducer::finalize() {
       }
     }
   } catch (const dist::CommError& e) {
-    drain();
-    reset_iteration();
+    reset_iteration();  // settles what was launched
     // A peer that is gone or issues other collectives is often one that ran out of batches.
     dist::rethrow_with_hint(e,
                             "DistributedDataParallel: the gradient all-reduce after backward failed. If some rank ran "
@@ -557,8 +554,7 @@ void Reducer::finalize() {
                             "DistributedDataParallel::join; if another rank stopped with an error about a parameter "
                             "that received no gradient, that error is the cause");
   } catch (...) {
-    drain();
-    reset_iteration();
+    reset_iteration();  // settles what was launched
     throw;
   }
 

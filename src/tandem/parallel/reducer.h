@@ -86,7 +86,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // find_unused_parameters is set (not static_graph: its first synchronized iteration reduces
   // after backward and counts the gradients that arrived).
   void prepare_for_backward(bool sync, const std::vector<Tensor>& outputs);
-  void prepare_for_backward(bool sync, const Tensor& output) { prepare_for_backward(sync, std::vector<Tensor>{output}); }
 
   void register_comm_hook(CommHook hook);
 
@@ -235,15 +234,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   Tensor det_local_, det_all_;
 };
 
-// ---- built-in communication hooks (torch.distributed.algorithms.ddp_comm_hooks) ----
-// all_reduce with AVG in the bucket's dtype (the default).
-HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket);
-
 // What a collective that failed inside DistributedDataParallel::join most likely means.
 inline constexpr const char* kJoinLockstepHint =
     "DistributedDataParallel.join: the ranks' iterations fell out of step. Inside join every forward of the DDP "
     "module with gradients enabled must be followed by its backward (a batch skipped after its forward belongs "
     "under NoGradGuard or no_sync), and every rank must call join with the same options";
+
+// ---- built-in communication hooks (torch.distributed.algorithms.ddp_comm_hooks) ----
+// all_reduce with AVG in the bucket's dtype (the default).
+HookResult allreduce_hook(dist::ProcessGroup& group, GradBucket& bucket);
+
 // f32 bucket sent as f16 / bf16 (the backend accumulates in f32), averaged, cast back.
 HookResult fp16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
 HookResult bf16_compress_hook(dist::ProcessGroup& group, GradBucket& bucket);
