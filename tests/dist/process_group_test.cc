@@ -3,8 +3,11 @@
 // that never starts, and a rank killed with SIGKILL in the middle of a loop of all_reduce.
 // Children report failures by throwing; spawn rethrows them here with the rank.
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -646,6 +649,59 @@ TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
   EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
   EXPECT_TRUE(results[0].ok()) << results[0].describe();
   EXPECT_TRUE(results[2].ok()) << results[2].describe();
+}
+
+// /dev/shm smaller than what the shm backend needs (Docker's default is 64 MiB): the group's
+// memory is a sparse segment, and a page tmpfs has no room for used to be SIGBUS at its first
+// touch, killing the rank without a word. Now the heap backs pages as it grows (fallocate): a
+// buffer that does not fit is an error naming /dev/shm's free space and the fix, and what fits
+// still works. The test runs in a child with a mount namespace of its own and a 16 MiB tmpfs on
+// /dev/shm (it needs the right to unshare one: root or user namespaces; else it is skipped).
+TEST(Spawn, ASmallDevShmIsAnErrorThatSaysSoNotABusError) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0) std::_Exit(77);
+    if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=16m") != 0) {
+      std::_Exit(77);
+    }
+    auto opts = spawn_options();
+    opts.stop_others_on_failure = false;
+    auto results = spawn_results(2, [](int) {
+      InitOptions o;
+      o.timeout = 5s;
+      init_process_group(o);
+      check_sum_on_default_group(1 << 18);  // 1 MiB in the heap: fits
+      auto pg = default_group();
+      const int64_t count = 3 << 20;  // 12 MiB: allocate() falls back to ordinary memory,
+      auto mem = pg->allocate(count * 4);  // and the collective's scratch does not fit
+      require(mem != nullptr, "allocate returned null");
+      std::memset(mem.get(), 0, count * 4);
+      pg->all_reduce(Buffer{mem.get(), count, DType::f32, kCPU})->wait();
+      throw std::runtime_error("a 12 MiB all_reduce fitted into a 16 MiB /dev/shm next to another rank's");
+    }, opts);
+    int status = 0;
+    for (const auto& r : results) {
+      if (r.signal != 0 || r.ok()) {
+        std::fprintf(stderr, "%s\n", r.describe().c_str());
+        status = 1;
+      }
+    }
+    const std::string m = results[0].error + results[1].error;
+    if (m.find("no room in shared memory") == std::string::npos || m.find("/dev/shm has") == std::string::npos ||
+        m.find("--shm-size") == std::string::npos) {
+      std::fprintf(stderr, "no rank named /dev/shm's size and the fix: %s | %s\n", results[0].describe().c_str(),
+                   results[1].describe().c_str());
+      status = 1;
+    }
+    std::_Exit(status);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the test's child was killed by signal " << WTERMSIG(status);
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot unshare a mount namespace here (needs root or user namespaces)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the child's report above";
 }
 
 // Over gloo (TCP): rank 1 is SIGKILLed from a thread at a random moment inside 8 MiB all_reduces,

@@ -422,6 +422,10 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
   }
   if (rank == 0) {
     ctl_seg_ = Segment::create(fmt::format("/tandem-{}-ctl", tag), layout_.total);
+    if (const int e = ctl_seg_->reserve(0, layout_.total); e != 0) {
+      throw CommError(fmt::format("shm backend: no room in shared memory for the group's control segment ({} bytes; "
+                                  "{}: {}); {}", layout_.total, std::strerror(e), shm_space_summary(), kShmSpaceHint));
+    }
     Header* h = hdr();
     h->magic = kMagic;
     h->size = size;
@@ -844,8 +848,13 @@ void ShmGroup::enter(Ctx& c, uint64_t code) {
 }
 
 std::optional<size_t> ShmGroup::scratch_alloc(Ctx& c, size_t nbytes) {
-  auto off = heap_->allocate(nbytes);
-  if (!off) {
+  int error = 0;
+  auto off = heap_->allocate(nbytes, &error);
+  if (!off && error != 0) {
+    fail(c, fmt::format("{}: no room in shared memory for {} bytes of scratch ({}: {}); {}", c.what(), nbytes,
+                        std::strerror(error), shm_space_summary(), kShmSpaceHint),
+         false);
+  } else if (!off) {
     fail(c, fmt::format("{}: no room for {} bytes of scratch in the shm heap ({} bytes); raise "
                         "TANDEM_SHM_HEAP_BYTES or free allocate()d buffers",
                         c.what(), nbytes, heap_->segment()->size()),

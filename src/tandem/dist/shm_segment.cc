@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -30,12 +31,13 @@ std::shared_ptr<Segment> Segment::create(const std::string& name, size_t bytes) 
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
   const int e = errno;
-  close(fd);
   if (p == MAP_FAILED) {
+    close(fd);
     shm_unlink(name.c_str());
     throw CommError(fmt::format("shm backend: cannot map segment {} ({} bytes): {}", name, bytes, std::strerror(e)));
   }
   auto s = std::shared_ptr<Segment>(new Segment());
+  s->fd_ = fd;
   s->name_ = name;
   s->data_ = static_cast<uint8_t*>(p);
   s->size_ = bytes;
@@ -71,7 +73,32 @@ std::shared_ptr<Segment> Segment::open(const std::string& name) {
 Segment::~Segment() {
   unlink();
   if (data_ != nullptr) munmap(data_, size_);
+  if (fd_ >= 0) close(fd_);
 }
+
+int Segment::reserve(size_t offset, size_t bytes) noexcept {
+  if (bytes == 0) return 0;
+  if (fd_ < 0) return EBADF;
+  int r;
+  do {
+    r = fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  } while (r != 0 && errno == EINTR);
+  if (r == 0) return 0;
+  return errno == EOPNOTSUPP || errno == ENOSYS ? 0 : errno;
+}
+
+std::string shm_space_summary() {
+  struct statvfs v{};
+  if (statvfs("/dev/shm", &v) != 0) return fmt::format("/dev/shm: statvfs failed: {}", std::strerror(errno));
+  const double mib = 1024.0 * 1024.0;
+  return fmt::format("/dev/shm has {:.1f} MiB free of {:.1f} MiB",
+                     static_cast<double>(v.f_bavail) * static_cast<double>(v.f_frsize) / mib,
+                     static_cast<double>(v.f_blocks) * static_cast<double>(v.f_frsize) / mib);
+}
+
+const char* const kShmSpaceHint =
+    "give /dev/shm more room (in Docker: docker run --shm-size=8g or --ipc=host; elsewhere: "
+    "mount -o remount,size=8G /dev/shm), or use the gloo or mpi backend";
 
 void Segment::unlink() noexcept {
   if (linked_) {
@@ -86,14 +113,25 @@ Heap::Heap(std::shared_ptr<Segment> seg) : seg_(std::move(seg)) {
   if (seg_->size() > 0) free_[0] = seg_->size();
 }
 
-std::optional<size_t> Heap::allocate(size_t bytes) {
+std::optional<size_t> Heap::allocate(size_t bytes, int* error) {
   const size_t align = bytes >= (64u << 10) ? 4096 : 64;
   const size_t need = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  if (error != nullptr) *error = 0;
   std::lock_guard lock(mu_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     const size_t start = it->first, len = it->second;
     const size_t aligned = (start + align - 1) / align * align;
     if (aligned + need > start + len) continue;
+    if (aligned + need > backed_) {
+      // First use of these pages: back them now, while running out is still an error we can
+      // report (a later first touch of a page tmpfs has no room for is SIGBUS).
+      const size_t end = std::min(seg_->size(), (aligned + need + 4095) / 4096 * 4096);
+      if (const int e = seg_->reserve(backed_, end - backed_); e != 0) {
+        if (error != nullptr) *error = e;
+        return std::nullopt;
+      }
+      backed_ = end;
+    }
     free_.erase(it);
     if (aligned > start) free_[start] = aligned - start;
     if (aligned + need < start + len) free_[aligned + need] = start + len - (aligned + need);

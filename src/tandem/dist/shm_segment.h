@@ -34,9 +34,14 @@ class Segment {
   const std::string& name() const { return name_; }
   // Removes the name (the memory stays while mapped). Idempotent, noexcept.
   void unlink() noexcept;
+  // Backs [offset, offset + bytes) with memory now (fallocate), so that a full /dev/shm shows
+  // here as ENOSPC instead of as SIGBUS at the first touch of a page. Returns 0 or the errno;
+  // 0 also where the file system cannot tell (no fallocate), as before. Created segments only.
+  int reserve(size_t offset, size_t bytes) noexcept;
 
  private:
   Segment() = default;
+  int fd_ = -1;  // kept open by create() for reserve()
   std::string name_;
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
@@ -47,8 +52,10 @@ class Segment {
 class Heap {
  public:
   explicit Heap(std::shared_ptr<Segment> seg);
-  // An offset of `bytes` (64-byte aligned; 4096 for >= 64 KiB), or nullopt when full.
-  std::optional<size_t> allocate(size_t bytes);
+  // An offset of `bytes` (64-byte aligned; 4096 for >= 64 KiB), or nullopt when full: no free
+  // range (*error = 0) or no room left in /dev/shm to back it (*error = ENOSPC or another errno
+  // of fallocate). Pages are backed as the heap's high-water mark grows.
+  std::optional<size_t> allocate(size_t bytes, int* error = nullptr);
   void free(size_t offset) noexcept;
   // Offset of [p, p+bytes) when it lies inside the segment.
   std::optional<size_t> offset_of(const void* p, size_t bytes) const;
@@ -60,7 +67,13 @@ class Heap {
   std::mutex mu_;
   std::map<size_t, size_t> free_;  // offset -> length, coalesced
   std::map<size_t, size_t> used_;  // offset -> length
+  size_t backed_ = 0;              // [0, backed_) is backed by memory (Segment::reserve)
 };
+
+// "/dev/shm has 12.0 MiB free of 64.0 MiB": for errors about shared memory running out.
+std::string shm_space_summary();
+// What to do about it (a larger /dev/shm, e.g. docker run --shm-size).
+extern const char* const kShmSpaceHint;
 
 // Cross-process futex on a 32-bit word in shared memory: sleeps while *word == expected, at most
 // `timeout`. Spurious returns are fine (callers re-check).
