@@ -651,6 +651,32 @@ TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
   EXPECT_TRUE(results[2].ok()) << results[2].describe();
 }
 
+// A rank that finished its part of a collective may leave before the others finish theirs: here
+// rank 1's gather input goes through a slot (small), so it returns at once, destroys the group and
+// exits, while rank 0 (the root) still waits for rank 2. Rank 0 used to fail the gather with
+// "rank 1 left the group"; now only a rank that still owes the collective something dooms it.
+TEST(Spawn, ARankThatFinishedACollectiveMayLeaveBeforeTheOthersFinishIt) {
+  auto opts = spawn_options();
+  opts.stop_others_on_failure = false;
+  auto results = spawn_results(3, [](int rank) {
+    InitOptions o;
+    o.timeout = 10s;
+    init_process_group(o);
+    auto pg = default_group();
+    std::vector<float> in(16, static_cast<float>(rank + 1)), out(48, 0.0f);
+    if (rank == 2) std::this_thread::sleep_for(400ms);
+    pg->gather(Buffer{out.data(), 48, DType::f32, kCPU}, Buffer{in.data(), 16, DType::f32, kCPU}, 0)->wait();
+    if (rank == 0) {
+      for (int i = 0; i < 48; ++i) {
+        require(out[static_cast<size_t>(i)] == static_cast<float>(i / 16 + 1), fmt::format("gathered[{}] = {}", i, out[static_cast<size_t>(i)]));
+      }
+    }
+    pg.reset();
+    destroy_process_group();
+  }, opts);
+  for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.describe();
+}
+
 // /dev/shm smaller than what the shm backend needs (Docker's default is 64 MiB): the group's
 // memory is a sparse segment, and a page tmpfs has no room for used to be SIGBUS at its first
 // touch, killing the rank without a word. Now the heap backs pages as it grows (fallocate): a

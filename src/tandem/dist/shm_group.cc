@@ -712,11 +712,17 @@ void ShmGroup::check_peers(Ctx& c, int waiting_for, const std::function<std::str
     throw CommError(fmt::format("{} failed: rank {} aborted the group: {}", c.what(), a,
                                 std::string(ctl(a).error, strnlen(ctl(a).error, sizeof(ctl(a).error)))));
   }
-  // The peer we wait for first, then everyone: a dead rank anywhere dooms the collective.
+  // The peer we wait for first, then everyone else that still owes this collective something: a
+  // dead rank that has not finished it dooms it. One that finished it (a non-root of a gather
+  // whose input sat in a slot, say) may have left since, as may a rank outside a send/recv pair;
+  // whoever waits for them in a later collective reports it there.
+  const bool collective = c.desc.seq >= 0;
+  const uint64_t finished = collective ? (static_cast<uint64_t>(c.desc.seq) << 32 | kFinal) : 0;
   for (int i = -1; i < size(); ++i) {
     const int p = i < 0 ? waiting_for : i;
     if (p == rank() || (i >= 0 && p == waiting_for)) continue;
     RankCtl& pc = ctl(p);
+    if (i >= 0 && (!collective || pc.progress.load(std::memory_order_acquire) >= finished)) continue;
     const pid_t pid = pc.pid.load();
     if (!process_alive(pid)) {
       fail(c, fmt::format("{} failed: rank {} (pid {}) died while rank {} waited for {}. {}", c.what(), p,
