@@ -651,6 +651,30 @@ TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
   EXPECT_TRUE(results[2].ok()) << results[2].describe();
 }
 
+// The shm backend's tuning variables choose the all_reduce protocol; ranks whose environments
+// differ used to run different algorithms on one buffer (a push rank kept its own input in the
+// slice a pull rank never wrote; readers with another chunk size copied chunks not reduced yet).
+// Rank 0's choices now hold for the group.
+TEST(Spawn, ShmTuningVariablesThatDifferAcrossRanksFollowRankZero) {
+  spawn(3, [](int rank) {
+    setenv("TANDEM_SHM_ALLREDUCE", rank == 1 ? "pull" : "push", 1);
+    setenv("TANDEM_SHM_CHUNK_BYTES", rank == 2 ? "8192" : "262144", 1);
+    setenv("TANDEM_SHM_SMALL_BYTES", rank == 0 ? "1024" : "16384", 1);
+    InitOptions o;
+    o.timeout = 10s;
+    init_process_group(o);
+    for (const int64_t count : {int64_t{1000}, int64_t{3000}, int64_t{300001}}) check_sum_on_default_group(count);
+    auto pg = default_group();
+    std::vector<float> x(1 << 19);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(rank + 1) * static_cast<float>(i % 5);
+    pg->all_reduce(Buffer{x.data(), static_cast<int64_t>(x.size()), DType::f32, kCPU})->wait();
+    for (size_t i = 0; i < x.size(); ++i) {
+      require(x[i] == 6.0f * static_cast<float>(i % 5), fmt::format("rank {} element {}: {}", rank, i, x[i]));
+    }
+    destroy_process_group();
+  }, spawn_options());
+}
+
 // A rank that finished its part of a collective may leave before the others finish theirs: here
 // rank 1's gather input goes through a slot (small), so it returns at once, destroys the group and
 // exits, while rank 0 (the root) still waits for rank 2. Rank 0 used to fail the gather with

@@ -30,6 +30,8 @@
 // push too, in one chunk (two barriers; in place it moves about half the cache lines of the slot
 // scheme), unless there are more ranks than CPUs, where each barrier costs context switches: then
 // every rank copies its input into its slot and reduces all slots in rank order (one barrier).
+// Rank 0's environment decides these (TANDEM_SHM_ALLREDUCE, _SMALL_ALLREDUCE, _SMALL_BYTES,
+// _CHUNK_BYTES) for the whole group.
 // TANDEM_SHM_SMALL_ALLREDUCE=push|slot overrides; rank 0's choice holds for the group. Inputs are
 // always combined in rank order, so every rank gets bit-identical results.
 //
@@ -144,7 +146,12 @@ struct Header {
   uint64_t magic;
   int32_t size;
   std::atomic<int32_t> abort_rank;  // 0: none, else rank + 1 of the first rank that failed
-  int32_t small_push;               // rank 0's choice for small all_reduce (every rank follows it)
+  // Rank 0's protocol choices, which every rank follows (from rank 0's environment: ranks whose
+  // TANDEM_SHM_* differ would otherwise run different algorithms on one buffer).
+  int32_t small_push;    // small all_reduce: push or slots (TANDEM_SHM_SMALL_ALLREDUCE)
+  int32_t push;          // all_reduce: push or pull (TANDEM_SHM_ALLREDUCE)
+  uint64_t small_bytes;  // TANDEM_SHM_SMALL_BYTES
+  uint64_t chunk_bytes;  // TANDEM_SHM_CHUNK_BYTES
 };
 
 // The call a rank is in, packed into one word: op | dtype << 8 | redop << 16 | root << 32.
@@ -442,6 +449,9 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
                    "(every rank copies its input to a slot and reduces all slots)", algo);
       h->small_push = algo == "push" ? 1 : 0;
     }
+    h->push = push_ ? 1 : 0;
+    h->small_bytes = small_bytes_;
+    h->chunk_bytes = chunk_bytes_;
     store_->set("shm/ctl", ctl_seg_->name());
   }
   heap_ = std::make_shared<Heap>(Segment::create(fmt::format("/tandem-{}-heap{}", tag, rank), heap_bytes));
@@ -474,6 +484,9 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
                  "shm backend: control segment {} does not match a group of {} ranks", ctl_seg_->name(), size);
   }
   small_push_ = hdr()->small_push != 0;
+  push_ = hdr()->push != 0;
+  small_bytes_ = static_cast<size_t>(hdr()->small_bytes);
+  chunk_bytes_ = static_cast<size_t>(hdr()->chunk_bytes);
   seen_.assign(static_cast<size_t>(size), 0);
   heaps_.resize(size);
   for (int r = 0; r < size; ++r) {
