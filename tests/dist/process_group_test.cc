@@ -651,6 +651,35 @@ TEST(Spawn, KilledRankBecomesAnErrorNamingItOnEverySurvivor) {
   EXPECT_TRUE(results[2].ok()) << results[2].describe();
 }
 
+// A broadcast in which each rank takes itself for the root reads no peer, so nothing compared it:
+// every rank kept its own data and the next collective lined up as if nothing happened. Each
+// collective now carries a hash of the ones before it, and the next comparison names the
+// broadcast that differed.
+TEST(Spawn, BroadcastsWithDifferentRootsAreAMismatchAtTheNextCollective) {
+  auto opts = spawn_options();
+  opts.stop_others_on_failure = false;
+  auto results = spawn_results(2, [](int rank) {
+    InitOptions o;
+    o.timeout = 10s;
+    init_process_group(o);
+    auto pg = default_group();
+    std::vector<float> x(1000, static_cast<float>(rank));
+    pg->broadcast(Buffer{x.data(), 1000, DType::f32, kCPU}, rank)->wait();
+    try {
+      pg->barrier()->wait();
+    } catch (const CommError& e) {
+      const std::string m = e.what();
+      require(m.find("collective mismatch before #1") != std::string::npos &&
+                  m.find("at #0: rank " + std::to_string(1 - rank) + " called broadcast #0 (f32, 1000, root " +
+                         std::to_string(1 - rank) + ")") != std::string::npos,
+              "the error does not name the broadcast: " + m);
+      std::_Exit(0);
+    }
+    throw std::runtime_error("the barrier after broadcasts with different roots passed");
+  }, opts);
+  for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.describe();
+}
+
 // The shm backend's tuning variables choose the all_reduce protocol; ranks whose environments
 // differ used to run different algorithms on one buffer (a push rank kept its own input in the
 // slice a pull rank never wrote; readers with another chunk size copied chunks not reduced yet).

@@ -108,10 +108,27 @@ struct Desc {
   int32_t root = 0;
   int64_t count = 0;
   uint64_t code = 0;  // kSlotCode, or an offset into the rank's heap
+  // A hash of every collective this rank ran before this one (their calls as same_call compares
+  // them). A broadcast or scatter in which several ranks take themselves for the root reads no
+  // peer, so nothing compares it there; the next collective's comparison of histories catches it.
+  uint64_t history = 0;
 
   bool same_call(const Desc& o) const {
     return op == o.op && (op == Op::barrier || (dtype == o.dtype && count == o.count)) &&
            (!has_root(op) || root == o.root) && (!has_redop(op) || redop == o.redop);
+  }
+  // The history after this call: mixes in exactly what same_call compares.
+  uint64_t history_after() const {
+    uint64_t x = static_cast<uint64_t>(op) + 1;
+    if (op != Op::barrier) x = x * 1000003u ^ static_cast<uint64_t>(dtype) ^ static_cast<uint64_t>(count) << 8;
+    if (has_root(op)) x = x * 1000003u ^ static_cast<uint64_t>(static_cast<uint32_t>(root));
+    if (has_redop(op)) x = x * 1000003u ^ static_cast<uint64_t>(redop);
+    uint64_t h = history ^ (x + 0x9e3779b97f4a7c15ull + (history << 6) + (history >> 2));
+    h ^= h >> 31;  // splitmix64's finalizer
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 27;
+    h *= 0x94d049bb133111ebull;
+    return h ^ (h >> 31);
   }
   // "all_reduce #12 (f32, 4096, SUM)" after `prefix`. Appended by hand rather than through
   // fmt::format: it runs for every collective, on the latency path of small ones.
@@ -169,6 +186,7 @@ struct alignas(64) RankCtl {
   std::atomic<uint64_t> cur_call;   // pack_call()
   std::atomic<int64_t> cur_count;
   std::atomic<uint64_t> cur_code;
+  std::atomic<uint64_t> cur_history;
   std::atomic<int32_t> cpu;  // the CPU this rank last entered a collective on (a hint for waiters)
   alignas(64) std::atomic<uint32_t> epoch;  // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;
@@ -381,6 +399,7 @@ class ShmGroup final : public ProcessGroup {
   int64_t spin_budget_ns_;  // what it spins now (adaptive)
   bool oversubscribed_;
   bool push_;  // all_reduce: fused reduce + write to peers (TANDEM_SHM_ALLREDUCE=push) or pull
+  uint64_t history_ = 0;  // Desc::history of the next collective
   bool small_push_;  // small all_reduce: push too (2 barriers, in place) rather than slots (1)
   // Last progress value read from each rank: waits on a step already seen skip the shared line.
   // Touched only by the thread running the current operation (busy_ hands it over under q_mu_).
@@ -614,6 +633,10 @@ void ShmGroup::execute(Task& t) noexcept {
 void ShmGroup::run(Task& t) {
   reclaim_sends();
   Ctx c{&t, t.desc()};
+  if (t.seq >= 0) {
+    c.desc.history = history_;
+    history_ = c.desc.history_after();
+  }
   if (t.seq >= 0 && t.op != Op::barrier && c.desc.count == 0) {
     // Nothing to move; still numbered and announced so that later collectives line up.
     enter(c, 0);
@@ -817,11 +840,14 @@ uint64_t ShmGroup::arrived(Ctx& c, int p) {
     const uint64_t call = pc.cur_call.load(std::memory_order_relaxed);
     const int64_t count = pc.cur_count.load(std::memory_order_relaxed);
     const uint64_t code = pc.cur_code.load(std::memory_order_relaxed);
+    const uint64_t history = pc.cur_history.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     const uint64_t again = pc.progress.load(std::memory_order_relaxed);
     if (static_cast<int64_t>(again >> 32) == seq) {
       Desc mine = c.desc;
-      if (call == pack_call(mine) && (count == mine.count || mine.op == Op::barrier)) return code;
+      if (call == pack_call(mine) && (count == mine.count || mine.op == Op::barrier) && history == mine.history) {
+        return code;
+      }
     }
   }
   // p moved on already (or does not match): its descriptor from the ring of recent ones.
@@ -830,6 +856,25 @@ uint64_t ShmGroup::arrived(Ctx& c, int p) {
     fail(c, fmt::format("{}: collective mismatch at #{}: rank {} called {} while rank {} called {}; every rank "
                         "must issue the same collectives in the same order with the same dtype, count and root",
                         c.what(), seq, p, d.str(), rank(), c.desc.str()),
+         false);
+  }
+  if (d.history != c.desc.history) {
+    // An earlier collective differed where nobody compared it (e.g. two ranks each broadcast as
+    // the root): name it when it is still in both rings.
+    std::string which = "more than " + std::to_string(kRecent) + " collectives ago";
+    const RankCtl& me = ctl(rank());
+    for (int64_t s = std::max<int64_t>(0, seq - kRecent + 1); s < seq; ++s) {
+      const Desc& theirs = pc.recent[s % kRecent];
+      const Desc& ours = me.recent[s % kRecent];
+      if (theirs.seq == s && ours.seq == s && !theirs.same_call(ours)) {
+        which = fmt::format("at #{}: rank {} called {} while rank {} called {}", s, p, theirs.str(), rank(), ours.str());
+        break;
+      }
+    }
+    fail(c, fmt::format("{}: collective mismatch before #{}: rank {} and rank {} issued different collectives "
+                        "earlier, {}; every rank must issue the same collectives in the same order with the same "
+                        "dtype, count and root",
+                        c.what(), seq, p, rank(), which),
          false);
   }
   return d.code;
@@ -861,6 +906,7 @@ void ShmGroup::enter(Ctx& c, uint64_t code) {
   mine.cur_call.store(pack_call(d), std::memory_order_relaxed);
   mine.cur_count.store(d.count, std::memory_order_relaxed);
   mine.cur_code.store(code, std::memory_order_relaxed);
+  mine.cur_history.store(d.history, std::memory_order_relaxed);
   mine.cpu.store(sched_getcpu(), std::memory_order_relaxed);
   mine.recent[d.seq % kRecent] = d;
   publish(d.seq, 1);
