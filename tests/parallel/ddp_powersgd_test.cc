@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "tandem/autograd/grad_mode.h"
@@ -427,4 +428,96 @@ TEST(DDPPowerSGD, RejectsOptionsItCannotServe) {
   EXPECT_NO_THROW(PowerSGDState(PowerSGDOptions{.start_powerSGD_iter = 0, .use_error_feedback = false, .warm_start = false}));
   EXPECT_THROW(td::parallel::powerSGD_hook(nullptr), td::ValueError);
   EXPECT_THROW(td::parallel::batched_powerSGD_hook(nullptr), td::ValueError);
+}
+
+namespace {
+// Whether some two rows of a (rows, cols) f32 matrix are not parallel (sin of their angle above
+// 1e-2): the matrix has rank >= 2.
+bool rank_at_least_two(const Tensor& m) {
+  const Tensor c = m.contiguous();
+  const float* a = c.data_ptr<float>();
+  const int64_t rows = c.size(0), cols = c.size(1);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = i + 1; j < rows; ++j) {
+      double aa = 0, bb = 0, ab = 0;
+      for (int64_t k = 0; k < cols; ++k) {
+        aa += double(a[i * cols + k]) * a[i * cols + k];
+        bb += double(a[j * cols + k]) * a[j * cols + k];
+        ab += double(a[i * cols + k]) * a[j * cols + k];
+      }
+      if (aa > 0 && bb > 0 && aa * bb - ab * ab > 1e-4 * aa * bb) return true;
+    }
+  }
+  return false;
+}
+bool all_finite(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  for (int64_t i = 0; i < c.numel(); ++i) {
+    if (!std::isfinite(c.data_ptr<float>()[i])) return false;
+  }
+  return true;
+}
+}  // namespace
+
+// A warm-start Q keeps what the last step left in it. A column that went to zero -- here step 2's
+// gradients are the same single sample on both ranks, so w1's (12x16) is rank 1 and Q's second
+// column ends up zero; with the batched hook the whole bucket's gradient is zero at step 2 -- stayed
+// zero forever (P = M Q, Q = M^T P), and the approximation kept rank 1 (or 0) for good. Zero
+// columns are now redrawn: at step 5, on full-rank data, w1's rank-2 gradient has rank 2 (batched:
+// is not zero) and is the same on every rank.
+TEST(DDPPowerSGD, AWarmStartQWhoseColumnWentToZeroRecovers) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    for (bool batched : {false, true}) {
+      auto model = std::make_shared<Net>();
+      DistributedDataParallel ddp(model, group);
+      auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{
+          .matrix_approximation_rank = 2, .start_powerSGD_iter = 2, .use_error_feedback = false, .warm_start = true});
+      ddp.register_comm_hook(make_hook(batched, state));
+      for (int s = 0; s < 6; ++s) {
+        model->zero_grad();
+        if (s == 2) {
+          const Tensor loss = loss_of(ddp(batch(s, 0).narrow(0, 0, 1)), target(s, 0).narrow(0, 0, 1));
+          (batched ? td::ops::mul(loss, 0.0) : loss).backward();
+        } else {
+          loss_of(ddp(batch(s, rank)), target(s, rank)).backward();
+        }
+      }
+      const Tensor g = model->w1.grad();
+      if (!same_everywhere(*group, g)) fail(fmt::format("batched {}: w1's gradient differs across ranks", batched));
+      if (batched ? td::ops::sum(td::ops::mul(g, g)).item<float>() == 0.0f : !rank_at_least_two(g)) {
+        fail(fmt::format("batched {}: three full-rank steps after the degenerate one, w1's rank-2 gradient is still "
+                         "{}: the warm-start Q kept its zero column(s)",
+                         batched, batched ? "zero" : "rank 1"));
+      }
+    }
+  });
+}
+
+// A step whose gradients are not finite on some rank (an fp16 loss-scale overflow) used to store
+// input - NaN as the error feedback and NaN as the warm-start Q, so every later step was NaN too
+// (a GradScaler would skip steps forever). Now that step's compressed gradients are NaN on every
+// rank, the state is kept, and the next finite step is finite again.
+TEST(DDPPowerSGD, ANonFiniteStepDoesNotPoisonTheErrorFeedbackOrTheWarmStart) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    const int rank = group->rank();
+    for (bool batched : {false, true}) {
+      auto model = std::make_shared<Net>();
+      DistributedDataParallel ddp(model, group);
+      auto state = std::make_shared<PowerSGDState>(PowerSGDOptions{.matrix_approximation_rank = 1,
+                                                                   .start_powerSGD_iter = 2});
+      ddp.register_comm_hook(make_hook(batched, state));
+      for (int s = 0; s < 5; ++s) {
+        model->zero_grad();
+        const Tensor loss = loss_of(ddp(batch(s, rank)), target(s, rank));
+        (s == 3 && rank == 0 ? td::ops::mul(loss, std::numeric_limits<float>::infinity()) : loss).backward();
+        const bool finite = all_finite(model->w1.grad());
+        if (s == 3 && finite) fail(fmt::format("batched {}: the overflowing step gave a finite w1 gradient", batched));
+        if (s != 3 && !finite) {
+          fail(fmt::format("batched {}: step {} (finite inputs) gave a non-finite w1 gradient{}", batched, s,
+                           s == 4 ? ": the state kept the earlier step's NaN" : ""));
+        }
+      }
+    }
+  });
 }

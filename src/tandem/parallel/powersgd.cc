@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -50,6 +52,43 @@ void orthogonalize(Tensor& m, double epsilon) {
     for (int64_t r = 0; r < rows; ++r) at(r, i) *= scale;
   }
   for (int64_t k = 0; k < rows * cols; ++k) a[k] = static_cast<float>(x[static_cast<size_t>(k)]);
+}
+
+// Orthonormalises Q. A column left zero (a warm-start Q whose column went to zero, e.g. after a
+// rank-deficient or all-zero gradient) would stay zero forever: P = M Q and the next Q = M^T P
+// keep it so, and the approximation loses that rank for good (torch's QR path redraws nothing
+// either, its Gram-Schmidt divides by zero). Such columns get fresh random values from the
+// parameter's stream (the same on every rank: Q is the all-reduced one) and are orthonormalised
+// against the others.
+void orthogonalize_q(Tensor& q, double epsilon, const std::function<Generator()>& stream) {
+  orthogonalize(q, epsilon);
+  const int64_t rows = q.size(0), cols = q.size(1);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    float* a = q.data_ptr<float>();
+    std::vector<int64_t> zero_cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      bool zero = true;
+      for (int64_t r = 0; r < rows && zero; ++r) zero = a[r * cols + c] == 0.0f;
+      if (zero) zero_cols.push_back(c);
+    }
+    if (zero_cols.empty()) return;
+    Generator gen = stream();
+    for (int k = 0; k < attempt; ++k) (void)randn({rows, cols}, kFloat32, &gen);
+    const Tensor fresh = randn({rows, cols}, kFloat32, &gen);
+    const float* f = fresh.data_ptr<float>();
+    for (const int64_t c : zero_cols) {
+      for (int64_t r = 0; r < rows; ++r) a[r * cols + c] = f[r * cols + c];
+    }
+    orthogonalize(q, epsilon);
+  }
+}
+
+bool all_finite(const Tensor& t) {
+  const float* x = t.data_ptr<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (!std::isfinite(x[i])) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -235,7 +274,7 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
       Generator gen = state.q_stream(matrix_names[i]);
       qs[i].copy_(randn({m, r}, kFloat32, &gen));
     }
-    orthogonalize(qs[i], o.orthogonalization_epsilon);
+    orthogonalize_q(qs[i], o.orthogonalization_epsilon, [&] { return state.q_stream(matrix_names[i]); });
   }
   for (size_t i = 0; i < matrices.size(); ++i) ps[i].copy_(ops::matmul(matrices[i], qs[i]));
 
@@ -266,6 +305,19 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
     }
     // Summed P: orthonormalised next, so no division.
     all_reduce_sum(group, p_flat, wire);
+    if (!all_finite(p_flat)) {
+      // Some rank's gradient was not finite (an fp16 loss-scale overflow, say). The summed P is
+      // the same on every rank, so every rank takes this branch and skips the Q all-reduce. The
+      // compressed gradients become NaN (a GradScaler skips the step), and the error feedback
+      // and the warm-start Qs stay as they were: storing input - NaN would poison every later
+      // step.
+      for (Tensor& mtx : matrices) mtx.fill_(std::numeric_limits<float>::quiet_NaN());
+      if (wire != kFloat32) {
+        for (size_t i = 0; i < work_grads.size(); ++i) bucket.gradients[i].copy_(work_grads[i]);
+      }
+      st.maybe_increase_iter(bucket);
+      return;
+    }
     for (Tensor& p : ps) orthogonalize(p, st.options_.orthogonalization_epsilon);
     for (size_t i = 0; i < matrices.size(); ++i) qs[i].copy_(ops::matmul(matrices[i].t(), ps[i]));
     all_reduce_sum(group, q_flat, wire);
@@ -323,7 +375,7 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
     Generator gen = state.q_stream(fmt::format("bucket {}", bi));
     q.copy_(randn({side, r}, kFloat32, &gen));
   }
-  orthogonalize(q, o.orthogonalization_epsilon);
+  orthogonalize_q(q, o.orthogonalization_epsilon, [&] { return state.q_stream(fmt::format("bucket {}", bi)); });
   p.copy_(ops::matmul(matrix, q));
   // Summed P (orthonormalised next), in the bucket's dtype.
   Tensor p_wire = wire == kFloat32 ? p : p.to(wire);
@@ -333,6 +385,11 @@ HookResult batched_powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dis
     PowerSGDState& st = *sp;
     NoGradGuard no_grad;
     if (wire != kFloat32) p.copy_(p_wire);
+    if (!all_finite(p)) {  // as in powerSGD_hook: NaN out, error and Q kept
+      bucket.buffer.fill_(std::numeric_limits<float>::quiet_NaN());
+      st.maybe_increase_iter(bucket);
+      return;
+    }
     orthogonalize(p, st.options_.orthogonalization_epsilon);
     q.copy_(ops::matmul(matrix.t(), p));
     all_reduce_sum(group, q, wire);

@@ -20,6 +20,13 @@
 // it; other dtypes always take the plain average. The result of a step is the same on every
 // rank (bit for bit); it is an approximation of the average, exact when the rank reaches the
 // smaller side of every compressed matrix.
+//
+// Beyond torch: a warm-start Q column that went to zero (after a rank-deficient or zero
+// gradient) is redrawn from the parameter's stream instead of staying zero for good; and a step
+// whose summed P is not finite (some rank's gradient overflowed, as fp16 loss scaling does now
+// and then) gives NaN compressed gradients on every rank (a GradScaler skips the step) and
+// leaves the error feedback and the warm-start Qs as they were, where storing them would turn
+// every later step into NaN.
 #pragma once
 
 #include <cstdint>
