@@ -985,6 +985,24 @@ TEST(DDPSemantics, BroadcastBuffersFalseKeepsEveryRanksBuffersAtConstructionAndJ
 
 // noop_hook (torch's debugging hook): DDP's bookkeeping without the all-reduce, each rank keeps
 // its own gradients.
+// The deterministic mode reduces through its own fixed tree and never calls a communication
+// hook: registering one (PowerSGD, noop, a compression wrapper) was silently ignored, the
+// gradients averaged exactly. It is refused, naming why.
+TEST(DDPSemantics, DeterministicModeRefusesACommunicationHookInsteadOfIgnoringIt) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    DistributedDataParallel ddp(std::make_shared<Probe>(), group, DDPOptions{.deterministic = true});
+    try {
+      ddp.register_comm_hook(td::parallel::noop_hook);
+      fail("register_comm_hook in deterministic mode was accepted");
+    } catch (const td::ValueError& e) {
+      const std::string msg = e.what();
+      if (msg.find("deterministic mode") == std::string::npos || msg.find("deterministic=true") == std::string::npos) {
+        fail("the error does not say why: " + msg);
+      }
+    }
+  });
+}
+
 TEST(DDPSemantics, NoopHookLeavesEveryRankItsOwnGradients) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
     const int rank = group->rank();

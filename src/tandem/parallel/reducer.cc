@@ -238,6 +238,9 @@ void Reducer::replace_bucket_memory(int64_t bi) {
 
 void Reducer::register_comm_hook(CommHook hook) {
   TANDEM_CHECK(!hook_, ValueError, "register_comm_hook: a communication hook is already registered (only one allowed)");
+  TANDEM_CHECK(!options_.deterministic, ValueError,
+               "register_comm_hook: DDP in deterministic mode sums every gradient in a fixed tree of its own and runs "
+               "no communication hook (the hook would be ignored); construct DDP without deterministic=true to use one");
   hook_ = std::move(hook);
 }
 
