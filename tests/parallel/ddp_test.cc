@@ -800,6 +800,52 @@ TEST(SyncBatchNorm, OnAGroupOfOneIsBatchNormBitForBit) {
   });
 }
 
+// Every rank's batch empty (a group of one with an empty batch; two ranks at the same empty tail):
+// as torch (whose SyncBatchNorm on a world of one is F.batch_norm), an empty output, running
+// stats untouched, num_batches_tracked counted, and an empty input gradient; no error about
+// "more than 1 value per channel" (one value over the group still is one), no collective in
+// backward. It used to throw.
+TEST(SyncBatchNorm, EveryRanksBatchEmptyIsAnEmptyOutputAsBatchNormGives) {
+  for (int world : {1, 2}) {
+    on_ranks(world, [&](std::shared_ptr<ProcessGroup> group) {
+      auto sync = std::make_shared<td::parallel::SyncBatchNorm>(3, group);
+      const Tensor mean0 = sync->running_mean.clone(), var0 = sync->running_var.clone();
+      Tensor x = td::zeros({0, 3}).requires_grad_();
+      Tensor y = sync->forward(x);
+      if (y.shape() != td::Shape{0, 3}) fail(fmt::format("world {}: output shape {}", world, td::shape_str(y.shape())));
+      if (!td::testing::bitwise_equal(sync->running_mean, mean0) || !td::testing::bitwise_equal(sync->running_var, var0)) {
+        fail(fmt::format("world {}: an empty batch moved the running stats", world));
+      }
+      if (sync->num_batches_tracked.item<int64_t>() != 1) fail("num_batches_tracked did not count the batch");
+      const int64_t seq = group->next_sequence_number();
+      td::ops::sum(y).backward();
+      if (!x.grad().defined() || x.grad().shape() != td::Shape{0, 3}) fail("no empty input gradient");
+      if (group->next_sequence_number() != seq) fail(fmt::format("world {}: backward of an empty batch issued a collective", world));
+    });
+  }
+}
+
+// Without a gradient for the input (SyncBatchNorm applied to data, its affine parameters
+// trained), backward issues no all-reduce, as torch's (it reduces only when the input needs a
+// gradient), and the weight and bias gradients are this rank's own sums, as with an input that
+// needs one.
+TEST(SyncBatchNorm, AnInputWithoutGradientIssuesNoBackwardAllReduce) {
+  on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
+    td::Generator gen(static_cast<uint64_t>(40 + group->rank()));
+    const Tensor x = td::randn({4, 3, 5}, td::kFloat32, &gen), gy = td::randn({4, 3, 5}, td::kFloat32, &gen);
+    auto a = std::make_shared<td::parallel::SyncBatchNorm>(3, group), b = std::make_shared<td::parallel::SyncBatchNorm>(3, group);
+    Tensor ya = a->forward(x);
+    const int64_t seq = group->next_sequence_number();
+    td::ops::sum(td::ops::mul(ya, gy)).backward();
+    if (group->next_sequence_number() != seq) fail("backward issued a collective for an input without gradient");
+    Tensor xb = x.clone().requires_grad_();
+    td::ops::sum(td::ops::mul(b->forward(xb), gy)).backward();
+    if (!td::testing::bitwise_equal(a->weight.grad(), b->weight.grad()) || !td::testing::bitwise_equal(a->bias.grad(), b->bias.grad())) {
+      fail("the weight and bias gradients differ from those of an input that needs a gradient");
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // With mixed precision.
 // ---------------------------------------------------------------------------------------------

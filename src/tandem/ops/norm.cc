@@ -234,9 +234,10 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
   TANDEM_CHECK(!training || group != nullptr || count != 1, ValueError,
                "batch_norm: expected more than 1 value per channel when training, got input of shape {}",
                shape_str(x_in.shape()));
-  if (count == 0 && group == nullptr) {
-    // An empty batch (N = 0, or an empty spatial dim), as PyTorch: an empty output, the running
-    // stats untouched (no NaN mean of nothing), zero gradients for weight and bias.
+  // An empty batch (N = 0, or an empty spatial dim; over a group: on every rank), as PyTorch: an
+  // empty output, the running stats untouched (no NaN mean of nothing), zero gradients for weight
+  // and bias.
+  auto empty_batch = [&] {
     Tensor y = empty_like(x);
     record(relu ? "BatchNormReluBackward" : "BatchNormBackward", {x_in, weight, bias}, {y},
            [shape = x.shape(), dt = x.dtype(), C, has_w = weight.defined(), has_b = bias.defined(),
@@ -244,7 +245,8 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
              return G{zeros(shape, dt), has_w ? zeros({C}, wdt) : Tensor(), has_b ? zeros({C}, bdt) : Tensor()};
            });
     return y;
-  }
+  };
+  if (count == 0 && group == nullptr) return empty_batch();
   // ---- statistics ----
   std::vector<double> mean, var;
   double total = static_cast<double>(count);  // values per channel behind the statistics
@@ -259,7 +261,12 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
       mean.assign(static_cast<size_t>(C), 0.0);
       var.assign(static_cast<size_t>(C), 0.0);
     }
-    if (group != nullptr) group->stats(total, mean, var);
+    if (group != nullptr) {
+      group->stats(total, mean, var);
+      // Every rank's batch is empty (each rank sees the same total, so all take this path and
+      // none issues the backward all-reduce).
+      if (total == 0) return empty_batch();
+    }
     if (running_mean.defined() && running_var.defined()) {
       NoGradGuard no_grad;
       const double unbias = total / (total - 1);
@@ -303,8 +310,12 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
     }
   });
   std::vector<Tensor> inputs{x_in, weight, bias};
+  // Without a gradient for x (a SyncBatchNorm applied to data, say), backward computes only the
+  // weight's and bias's, this rank's own sums: no input gradient and, over a group, no all-reduce
+  // (torch's SyncBatchNorm issues it only when the input needs a gradient).
+  const bool need_gx = x_in.requires_grad();
   record(relu ? "BatchNormReluBackward" : "BatchNormBackward", inputs, {y},
-         [x, l, mean, invstd, w, training, total, grp = group, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
+         [x, l, mean, invstd, w, training, total, need_gx, grp = group, has_w = weight.defined(), has_b = bias.defined(), wdt = weight.defined() ? weight.dtype() : kFloat32,
           bdt = bias.defined() ? bias.dtype() : kFloat32, out = relu ? y.detach() : Tensor()](const G& g) {
            Tensor gy = g[0];
            if (gy.strides() != x.strides()) {
@@ -317,7 +328,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
            const double n = total;
            std::vector<double> sum_dy, sum_dy_xc;
            std::vector<double> own_dy, own_dy_xc;  // over a group: this process's sums (weight and bias)
-           Tensor gx = empty_like(x);
+           Tensor gx = need_gx ? empty_like(x) : Tensor();
            TANDEM_DISPATCH_FLOATING(x.dtype(), "batch_norm backward", [&] {
              using T = scalar_t;
              const T* px = static_cast<const T*>(x.data_ptr());
@@ -361,6 +372,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                  }, pg, px);
                }
              }
+             if (!need_gx) return;
              if (grp) {
                own_dy = sum_dy;
                own_dy_xc = sum_dy_xc;
@@ -395,8 +407,8 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                channel_affine<T>(l, po, pg, pm, px, fg, fx, f0, false);
              }
            });
-           const std::vector<double>& dy_sums = grp ? own_dy : sum_dy;
-           const std::vector<double>& dy_xc_sums = grp ? own_dy_xc : sum_dy_xc;
+           const std::vector<double>& dy_sums = grp && need_gx ? own_dy : sum_dy;
+           const std::vector<double>& dy_xc_sums = grp && need_gx ? own_dy_xc : sum_dy_xc;
            std::vector<double> sum_dy_xhat(static_cast<size_t>(C));
            for (int64_t c = 0; c < C; ++c) sum_dy_xhat[c] = dy_xc_sums[c] * invstd[c];
            Tensor gw = has_w ? tensor(sum_dy_xhat, {C}, wdt) : Tensor();

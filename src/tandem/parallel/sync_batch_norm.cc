@@ -29,10 +29,15 @@ std::shared_ptr<const ops::BatchNormGroupStats> group_batch_stats(std::shared_pt
     const double* a = all.data_ptr<double>();
     double n_tot = 0;
     for (int64_t r = 0; r < W; ++r) n_tot += a[r * row_len];
-    TANDEM_CHECK(n_tot > 1, ValueError,
+    // 0: every rank's batch is empty, which batch_norm handles as BatchNorm does an empty batch.
+    TANDEM_CHECK(n_tot != 1, ValueError,
                  "SyncBatchNorm: expected more than 1 value per channel when training over the group, got {} "
                  "(rank {}'s batch has {} per channel)",
                  n_tot, group->rank(), count);
+    if (n_tot == 0) {
+      count = 0;
+      return;
+    }
     for (int64_t c = 0; c < C; ++c) {
       double n = 0, mu = 0, m2 = 0, v = 0;
       for (int64_t r = 0; r < W; ++r) {

@@ -1,7 +1,8 @@
 // SyncBatchNorm: batch normalization whose statistics cover the whole process group's batch
 // (torch.nn.SyncBatchNorm). Forward gathers every rank's (count, mean, M2) per channel and combines
 // them exactly (Chan et al.; unequal per-rank batches are fine); backward all-reduces the two
-// per-channel sums (dy, dy * (x - mean)). Invariant: running stats are computed from the same
+// per-channel sums (dy, dy * (x - mean)) when the input needs a gradient (as torch: without one,
+// only the weight's and bias's local sums, no collective). Invariant: running stats are computed from the same
 // gathered numbers in the same order on every rank, so they stay identical everywhere.
 // Its backward all-reduce runs inside backward, between DDP's bucket all-reduces: under
 // find_unused_parameters with a set of unused parameters that differs across ranks, a bucket may
@@ -20,8 +21,9 @@ namespace tandem::parallel {
 // BatchNorm's training statistics over `group` (what SyncBatchNorm and convert_sync_batchnorm put
 // in BatchNorm::group_stats): BatchNorm's kernels (any layout, f32/bf16/f16 read in place,
 // per-channel sums folded into f64, the fused ReLU), the ranks' statistics combined in f64.
-// Eval mode stays plain BatchNorm. Throws ValueError at a forward where the whole group has at
-// most one value per channel.
+// Eval mode stays plain BatchNorm. Throws ValueError at a forward where the whole group has
+// exactly one value per channel; where it has none (every rank's batch empty) the output is empty
+// and the running stats stay, as BatchNorm does with an empty batch.
 std::shared_ptr<const ops::BatchNormGroupStats> group_batch_stats(std::shared_ptr<dist::ProcessGroup> group);
 
 class SyncBatchNorm : public nn::BatchNorm {
