@@ -680,6 +680,40 @@ TEST(Spawn, BroadcastsWithDifferentRootsAreAMismatchAtTheNextCollective) {
   for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.describe();
 }
 
+// A rank that fails while the shm group is built (here a malformed TANDEM_SHM_HEAP_BYTES) used to
+// leave the others waiting for its keys until their timeout (30 minutes by default), to be told
+// only "rank(s) 1 did not create their shared-memory segments". It now publishes why, and the
+// others stop at once with its reason.
+TEST(Spawn, ARankThatFailsToSetUpTheShmGroupStopsTheOthersAtOnceSayingWhy) {
+  auto opts = spawn_options();
+  opts.stop_others_on_failure = false;
+  auto results = spawn_results(3, [](int rank) {
+    if (rank == 1) setenv("TANDEM_SHM_HEAP_BYTES", "4G", 1);
+    InitOptions o;
+    o.timeout = 30s;
+    const auto t0 = Clock::now();
+    try {
+      init_process_group(o);
+    } catch (const std::exception& e) {
+      const std::string m = e.what();
+      if (rank == 1) {
+        require(m.find("TANDEM_SHM_HEAP_BYTES='4G' is not a byte count") != std::string::npos, m);
+      } else {
+        require(m.find("rank 1 failed to set up the group") != std::string::npos &&
+                    m.find("TANDEM_SHM_HEAP_BYTES='4G'") != std::string::npos,
+                "the error does not give rank 1's reason: " + m);
+        require(Clock::now() - t0 < 10s, "rank 1's failure took more than 10 s to stop rank " + std::to_string(rank));
+      }
+      // Rank 0 hosts the store: stay a moment, so that rank 2 reads rank 1's reason from it
+      // rather than finding the store gone.
+      if (rank == 0) std::this_thread::sleep_for(500ms);
+      std::_Exit(0);
+    }
+    throw std::runtime_error("init_process_group succeeded");
+  }, opts);
+  for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.describe();
+}
+
 // The shm backend's tuning variables choose the all_reduce protocol; ranks whose environments
 // differ used to run different algorithms on one buffer (a push rank kept its own input in the
 // slice a pull rank never wrote; readers with another chunk size copied chunks not reduced yet).

@@ -40,10 +40,12 @@
 // hand-off); TANDEM_SHM_INLINE_BYTES=0 turns that off. Its Work is complete when returned and its
 // description is only built if someone asks (errors, Work::description()).
 #include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -191,6 +193,7 @@ struct alignas(64) RankCtl {
   alignas(64) std::atomic<uint32_t> epoch;  // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;
   alignas(64) std::atomic<int32_t> pid;
+  std::atomic<uint64_t> pid_ns;  // the pid namespace pid means something in (pid_namespace())
   std::atomic<int32_t> state;  // 0 running, 1 left the group, 2 failed
   Desc recent[kRecent];        // recent[seq % kRecent]
   char error[1024];            // why this rank failed (state 2)
@@ -230,6 +233,15 @@ size_t env_bytes(const char* name, size_t fallback) {
 }
 
 inline void cpu_relax() { _mm_pause(); }
+
+// The inode of this process's pid namespace (0 when unknown): pids are comparable only within one.
+uint64_t pid_namespace() {
+  static const uint64_t id = [] {
+    struct stat st{};
+    return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : uint64_t{0};
+  }();
+  return id;
+}
 
 std::string host_identity() {
   char host[256] = {};
@@ -328,6 +340,9 @@ class ShmGroup final : public ProcessGroup {
     return (code & kSlotCode) ? slot(p, seq) : heaps_[p]->data() + code;
   }
 
+  // The constructor's work; on a failure the constructor tells the other ranks through the store.
+  void setup(int rank, int size, const ProcessGroupOptions& options);
+
   // ---- issuing ----
   std::shared_ptr<Work> issue(Task t, size_t bytes);
   void progress_loop();
@@ -421,6 +436,21 @@ std::atomic<uint64_t> g_group_counter{0};
 
 ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
     : ProcessGroup(rank, size, options), store_(std::move(store)), layout_(size) {
+  try {
+    setup(rank, size, options);
+  } catch (const std::exception& e) {
+    // Tell the others, who wait for this rank's keys below and would otherwise learn nothing
+    // before their timeout (30 minutes by default).
+    try {
+      store_->set(fmt::format("shm/failed/{}", rank), std::string(e.what()));
+      store_->add("shm/failures", 1);
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+void ShmGroup::setup(int rank, int size, const ProcessGroupOptions& options) {
   TANDEM_CHECK(size <= kMaxRanks, ValueError, "shm backend: at most {} ranks on one host, got {}", kMaxRanks, size);
   small_bytes_ = std::min(env_bytes("TANDEM_SHM_SMALL_BYTES", 16 << 10), kSlotBytes);
   inline_bytes_ = env_bytes("TANDEM_SHM_INLINE_BYTES", 64 << 10);
@@ -441,6 +471,59 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
   // Same host: the segments are only shared there.
   const std::string me_host = host_identity();
   store_->set(fmt::format("shm/host/{}", rank), me_host);
+  store_->set(fmt::format("shm/pid/{}", rank), fmt::format("{} {}", static_cast<long>(getpid()), pid_namespace()));
+  // While waiting for the others' keys: a rank that failed to set up (it published why) or died
+  // (its pid, on this host) ends the wait at once instead of at the timeout.
+  std::vector<long> peer_pids(static_cast<size_t>(size), -1);  // -1: not known yet, 0: another host
+  auto peer_failure = [&]() -> std::string {
+    if (store_->add("shm/failures", 0) > 0) {
+      for (int r = 0; r < size; ++r) {
+        const std::string failed = fmt::format("shm/failed/{}", r);
+        if (r != rank && store_->check({failed})) {
+          return fmt::format("rank {} failed to set up the group: {}", r, to_string(store_->get(failed)));
+        }
+      }
+    }
+    for (int r = 0; r < size; ++r) {
+      long& p = peer_pids[static_cast<size_t>(r)];
+      if (r == rank || p == 0) continue;
+      if (p < 0) {
+        const std::string host = fmt::format("shm/host/{}", r), pid = fmt::format("shm/pid/{}", r);
+        if (!store_->check({host, pid})) continue;
+        p = 0;
+        if (to_string(store_->get(host)) == me_host) {
+          long pid_value = 0;
+          unsigned long long ns = 0;
+          if (std::sscanf(to_string(store_->get(pid)).c_str(), "%ld %llu", &pid_value, &ns) == 2 &&
+              ns == pid_namespace()) {
+            p = pid_value;
+          }
+        }
+      }
+      if (p > 0 && !process_alive(static_cast<pid_t>(p))) {
+        return fmt::format("rank {} (pid {}) died while the group was being set up", r, p);
+      }
+    }
+    return {};
+  };
+  // Polls (check, then sleep 1, 2, 4 ... 20 ms): a store wait cut short by a timeout would drop
+  // its connection.
+  auto wait_watching = [&](const std::vector<std::string>& keys) {
+    const auto deadline = Clock::now() + timeout;
+    for (auto nap = std::chrono::milliseconds(1);; nap = std::min(nap * 2, std::chrono::milliseconds(20))) {
+      if (store_->check(keys)) return;
+      if (const std::string why = peer_failure(); !why.empty()) {
+        // A rank that finished setting up may leave at once; it only could once every rank had
+        // set its last key, so the keys are there now if that is what happened.
+        if (store_->check(keys)) return;
+        throw CommError(fmt::format("shm backend: rank {} stops setting up the group: {}", rank, why));
+      }
+      if (Clock::now() >= deadline) {
+        throw Timeout(fmt::format("shm backend: waited {} ms for {}", timeout.count(), fmt::join(keys, ", ")));
+      }
+      std::this_thread::sleep_for(nap);
+    }
+  };
   std::string tag;
   {
     std::random_device rd;
@@ -480,7 +563,7 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
     std::vector<std::string> keys;
     for (int r = 0; r < size; ++r) keys.push_back(fmt::format("{}/{}", prefix, r));
     try {
-      store_->wait(keys, timeout);
+      wait_watching(keys);
     } catch (const Timeout&) {
       std::vector<int> missing;
       for (int r = 0; r < size; ++r) {
@@ -492,7 +575,7 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
   };
   wait_keys("shm/heap", "create their shared-memory segments");
   if (rank != 0) {
-    store_->wait({"shm/ctl"}, timeout);
+    wait_watching({"shm/ctl"});
     const std::string host0 = to_string(store_->get("shm/host/0"));
     TANDEM_CHECK(host0 == me_host, ValueError,
                  "shm backend: rank {} runs on another host than rank 0 ({} vs {}); the shm backend needs "
@@ -513,6 +596,7 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
   }
   RankCtl& mine = ctl(rank);
   mine.pid.store(static_cast<int32_t>(getpid()));
+  mine.pid_ns.store(pid_namespace());
   mine.state.store(0);
   store_->set(fmt::format("shm/mapped/{}", rank), "1");
   wait_keys("shm/mapped", "map the group's segments");
@@ -555,6 +639,14 @@ std::shared_ptr<Work> ShmGroup::issue(Task t, size_t bytes) {
   }
   t.work->set_default_wait(timeout() * 2 + 10s);
   auto work = t.work;
+  // Progress words hold the sequence number in 32 bits; past that, waits would compare wrapped
+  // numbers and pass early. Every rank reaches the limit at the same collective.
+  if (collective && t.seq >= (int64_t{1} << 32) - 1) {
+    work->finish(std::make_exception_ptr(CommError(fmt::format(
+        "{}: this group has run 2^32 - 1 collectives, as many as its sequence numbers count; create a new "
+        "group (dist::new_group over the same ranks) and go on with that one", work->description()))));
+    return work;
+  }
   if (broken_) {
     try {
       std::rethrow_exception(broken_);
@@ -760,7 +852,9 @@ void ShmGroup::check_peers(Ctx& c, int waiting_for, const std::function<std::str
     RankCtl& pc = ctl(p);
     if (i >= 0 && (!collective || pc.progress.load(std::memory_order_acquire) >= finished)) continue;
     const pid_t pid = pc.pid.load();
-    if (!process_alive(pid)) {
+    // Only a pid of our own pid namespace names a process we can look up (containers sharing
+    // /dev/shm and a host name may not share one); elsewhere state, abort and timeout tell.
+    if (pc.pid_ns.load() == pid_namespace() && !process_alive(pid)) {
       fail(c, fmt::format("{} failed: rank {} (pid {}) died while rank {} waited for {}. {}", c.what(), p,
                           static_cast<long>(pid), rank(), what(), diagnosis(c, "Last seen")),
            false);
