@@ -387,6 +387,9 @@ class ShmGroup final : public ProcessGroup {
   void wait_until(Ctx& c, int p, Pred pred, const std::function<std::string()>& what);
   void check_peers(Ctx& c, int waiting_for, const std::function<std::string()>& what);
   [[noreturn]] void fail(Ctx& c, const std::string& msg, bool timeout);
+  // Marks this rank failed with `msg` and aborts the group, so that peers waiting on it stop
+  // with the reason (once; fail() and any other exception out of an operation).
+  void announce_failure(const std::string& msg) noexcept;
   std::string describe_rank(int p, int64_t my_seq) const;
   std::string diagnosis(Ctx& c, const char* label = "Desync") const;
   void validate(const Buffer& b, const char* op, const char* which) const;
@@ -713,6 +716,15 @@ void ShmGroup::execute(Task& t) noexcept {
     t.work->finish();
   } catch (...) {
     auto e = std::current_exception();
+    // Not through fail() (no room for a copy, an argument check): the peers must not wait for
+    // this rank until their timeout.
+    try {
+      throw;
+    } catch (const std::exception& x) {
+      announce_failure(fmt::format("rank {} failed in {}: {}", rank(), t.work->description(), x.what()));
+    } catch (...) {
+      announce_failure(fmt::format("rank {} failed in {}", rank(), t.work->description()));
+    }
     {
       std::lock_guard lock(q_mu_);
       if (!broken_) broken_ = e;
@@ -868,7 +880,14 @@ void ShmGroup::check_peers(Ctx& c, int waiting_for, const std::function<std::str
 }
 
 void ShmGroup::fail(Ctx& c, const std::string& msg, bool timeout) {
+  announce_failure(msg);
+  if (timeout) throw Timeout(msg);
+  throw CommError(msg);
+}
+
+void ShmGroup::announce_failure(const std::string& msg) noexcept {
   RankCtl& mine = ctl(rank());
+  if (mine.state.load() == 2) return;  // announced already
   std::snprintf(mine.error, sizeof(mine.error), "%s", msg.c_str());
   mine.state.store(2);
   int32_t expected = 0;
@@ -877,8 +896,6 @@ void ShmGroup::fail(Ctx& c, const std::string& msg, bool timeout) {
     ctl(p).epoch.fetch_add(1);
     futex_wake_all(&ctl(p).epoch);
   }
-  if (timeout) throw Timeout(msg);
-  throw CommError(msg);
 }
 
 std::string ShmGroup::describe_rank(int p, int64_t my_seq) const {
