@@ -11,6 +11,7 @@
 
 #include "tandem/core/cpu_features.h"
 #include "tandem/dist/backends.h"
+#include "tandem/dist/shm_segment.h"
 #include "tandem/kernels/cpu/bf16_products.h"
 #include "tools/commands.h"
 
@@ -68,6 +69,8 @@ int env_main(int argc, char** argv) {
   std::printf("\nprocess-group backends\n");
   for (const char* b : {"shm", "mpi", "gloo", "nccl"})
     std::printf("  %-16s %s\n", b, dist::backend_available(b) ? "available" : "not built");
+  // shm's buffers live in /dev/shm: Docker's default of 64 MiB is too small for most models.
+  std::printf("  %-16s %s\n", "shared memory", dist::shm::shm_space_summary().c_str());
   std::printf("\nenvironment\n");
   for (const char* v : {"TANDEM_NUM_THREADS", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                         "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
