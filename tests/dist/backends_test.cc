@@ -2,6 +2,7 @@
 // can run (mpi as a 1-process MPI job, gloo with ranks as threads over a HashStore, nccl on one
 // GPU when there is one), argument errors, and the built-out factories' messages. The multi-
 // process sweeps run under mpirun (ctest dist.mpi_sweep_np*, dist.gloo_sweep_np2).
+#include <functional>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -98,6 +99,73 @@ TEST(GlooBackend, SweepWithThreeRanksAsThreads) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < kRanks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// Ranks that disagree on a collective: counts that differ used to abort the process from gloo's
+// network thread (std::terminate, nothing named), and a dtype that differs at the same byte count
+// reduced garbage silently. Every rank now stops with an error naming the call of the first rank
+// that differs from rank 0's; and a rank that skips a collective is a Timeout, not a CommError.
+TEST(GlooBackend, MismatchedCollectivesAreAnErrorNamingBothCallsAndASkippedOneATimeout) {
+  struct Case {
+    const char* what;
+    std::function<std::shared_ptr<Work>(ProcessGroup&, std::vector<float>&, std::vector<int32_t>&)> call;
+    const char* expect;
+  };
+  const std::vector<Case> cases = {
+      {"count", [](ProcessGroup& pg, std::vector<float>& f, std::vector<int32_t>&) {
+         return pg.all_reduce(Buffer{f.data(), pg.rank() == 0 ? 10 : 20, DType::f32, kCPU}, ReduceOp::SUM);
+       }, "collective mismatch at #0: rank 1 called all_reduce (float32, 20, SUM) while rank 0 called all_reduce (float32, 10, SUM)"},
+      {"dtype", [](ProcessGroup& pg, std::vector<float>& f, std::vector<int32_t>& i) {
+         return pg.rank() == 0 ? pg.all_reduce(Buffer{f.data(), 4, DType::f32, kCPU}, ReduceOp::SUM)
+                               : pg.all_reduce(Buffer{i.data(), 4, DType::i32, kCPU}, ReduceOp::SUM);
+       }, "rank 1 called all_reduce (int32, 4, SUM) while rank 0 called all_reduce (float32, 4, SUM)"},
+      {"root", [](ProcessGroup& pg, std::vector<float>& f, std::vector<int32_t>&) {
+         return pg.broadcast(Buffer{f.data(), 8, DType::f32, kCPU}, pg.rank());
+       }, "rank 1 called broadcast (float32, 8, root 1) while rank 0 called broadcast (float32, 8, root 0)"},
+  };
+  for (const Case& c : cases) {
+    auto store = std::make_shared<HashStore>(std::chrono::seconds(30));
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        std::vector<float> f(32, 1.0f);
+        std::vector<int32_t> i(32, 1);
+        ProcessGroupOptions o;
+        o.timeout = std::chrono::seconds(20);
+        auto pg = make_gloo_group(store, r, 2, o);
+        errors[r] = error_of([&] { c.call(*pg, f, i)->wait(); });
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) EXPECT_NE(errors[r].find(c.expect), std::string::npos) << c.what << ", rank " << r << ": " << errors[r];
+  }
+  {
+    auto store = std::make_shared<HashStore>(std::chrono::seconds(30));
+    std::string kind;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        ProcessGroupOptions o;
+        o.timeout = std::chrono::milliseconds(1000);
+        auto pg = make_gloo_group(store, r, 2, o);
+        if (r == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+          return;
+        }
+        try {
+          pg->barrier()->wait();
+          kind = "none";
+        } catch (const Timeout&) {
+          kind = "Timeout";
+        } catch (const std::exception& e) {
+          kind = std::string("other: ") + e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(kind, "Timeout");
+  }
 }
 
 TEST(GlooBackend, UnsupportedCollectivesSaySo) {

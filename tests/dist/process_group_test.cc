@@ -669,10 +669,11 @@ TEST(Spawn, BroadcastsWithDifferentRootsAreAMismatchAtTheNextCollective) {
       pg->barrier()->wait();
     } catch (const CommError& e) {
       const std::string m = e.what();
+      // (Either rank may be the one that notices; the other relays its words.)
       require(m.find("collective mismatch before #1") != std::string::npos &&
-                  m.find("at #0: rank " + std::to_string(1 - rank) + " called broadcast #0 (f32, 1000, root " +
-                         std::to_string(1 - rank) + ")") != std::string::npos,
-              "the error does not name the broadcast: " + m);
+                  m.find("called broadcast #0 (f32, 1000, root 0)") != std::string::npos &&
+                  m.find("called broadcast #0 (f32, 1000, root 1)") != std::string::npos,
+              "the error does not name the broadcasts: " + m);
       std::_Exit(0);
     }
     throw std::runtime_error("the barrier after broadcasts with different roots passed");
@@ -683,7 +684,8 @@ TEST(Spawn, BroadcastsWithDifferentRootsAreAMismatchAtTheNextCollective) {
 // A rank that fails while the shm group is built (here a malformed TANDEM_SHM_HEAP_BYTES) used to
 // leave the others waiting for its keys until their timeout (30 minutes by default), to be told
 // only "rank(s) 1 did not create their shared-memory segments". It now publishes why, and the
-// others stop at once with its reason.
+// others stop at once with its reason (rank 0, which hosts the store, stays until they have read
+// it).
 TEST(Spawn, ARankThatFailsToSetUpTheShmGroupStopsTheOthersAtOnceSayingWhy) {
   auto opts = spawn_options();
   opts.stop_others_on_failure = false;
@@ -704,9 +706,6 @@ TEST(Spawn, ARankThatFailsToSetUpTheShmGroupStopsTheOthersAtOnceSayingWhy) {
                 "the error does not give rank 1's reason: " + m);
         require(Clock::now() - t0 < 10s, "rank 1's failure took more than 10 s to stop rank " + std::to_string(rank));
       }
-      // Rank 0 hosts the store: stay a moment, so that rank 2 reads rank 1's reason from it
-      // rather than finding the store gone.
-      if (rank == 0) std::this_thread::sleep_for(500ms);
       std::_Exit(0);
     }
     throw std::runtime_error("init_process_group succeeded");
@@ -787,8 +786,8 @@ TEST(Spawn, ASmallDevShmIsAnErrorThatSaysSoNotABusError) {
       init_process_group(o);
       check_sum_on_default_group(1 << 18);  // 1 MiB in the heap: fits
       auto pg = default_group();
-      const int64_t count = 3 << 20;  // 12 MiB: allocate() falls back to ordinary memory,
-      auto mem = pg->allocate(count * 4);  // and the collective's scratch does not fit
+      const int64_t count = 3 << 20;  // 12 MiB: fits once (one rank's allocate()); the other
+      auto mem = pg->allocate(count * 4);  // falls back to ordinary memory, its scratch does not fit
       require(mem != nullptr, "allocate returned null");
       std::memset(mem.get(), 0, count * 4);
       pg->all_reduce(Buffer{mem.get(), count, DType::f32, kCPU})->wait();

@@ -983,8 +983,6 @@ TEST(DDPSemantics, BroadcastBuffersFalseKeepsEveryRanksBuffersAtConstructionAndJ
   });
 }
 
-// noop_hook (torch's debugging hook): DDP's bookkeeping without the all-reduce, each rank keeps
-// its own gradients.
 // The deterministic mode reduces through its own fixed tree and never calls a communication
 // hook: registering one (PowerSGD, noop, a compression wrapper) was silently ignored, the
 // gradients averaged exactly. It is refused, naming why.
@@ -1003,6 +1001,8 @@ TEST(DDPSemantics, DeterministicModeRefusesACommunicationHookInsteadOfIgnoringIt
   });
 }
 
+// noop_hook (torch's debugging hook): DDP's bookkeeping without the all-reduce, each rank keeps
+// its own gradients.
 TEST(DDPSemantics, NoopHookLeavesEveryRankItsOwnGradients) {
   on_ranks(2, [&](std::shared_ptr<ProcessGroup> group) {
     const int rank = group->rank();

@@ -81,9 +81,42 @@ void reduce_fn(ReduceOp op, void* c_, const void* a_, const void* b_, size_t n) 
   }
 }
 
+// What a collective is, as every rank must agree on it. gloo takes a mismatch badly: counts that
+// differ abort the process from gloo's network thread (std::terminate, no word on which op), and a
+// dtype or reduce op that differs at the same byte count reduces garbage without a word. So each
+// collective is preceded by a fixed-size all_gather of the ranks' Calls (which cannot mismatch),
+// and every rank, seeing the same table, stops with the same error naming the first rank that
+// differs from rank 0. TANDEM_COLLECTIVE_CHECK=0 (rank 0's environment decides for the group)
+// turns it off: one small all_gather per collective less, about 40-100 us over loopback TCP.
+enum class CallOp : uint8_t { all_reduce, broadcast, all_gather, barrier };
+struct Call {
+  CallOp op = CallOp::barrier;
+  DType dtype = DType::f32;
+  ReduceOp redop = ReduceOp::SUM;
+  uint8_t pad = 0;
+  int32_t root = 0;
+  int64_t count = 0;
+  bool operator==(const Call& o) const {
+    return op == o.op && (op == CallOp::barrier || (dtype == o.dtype && count == o.count)) &&
+           (op != CallOp::broadcast || root == o.root) && (op != CallOp::all_reduce || redop == o.redop);
+  }
+  std::string str() const {
+    switch (op) {
+      case CallOp::all_reduce: return fmt::format("all_reduce ({}, {}, {})", dtype_name(dtype), count, reduce_op_name(redop));
+      case CallOp::broadcast: return fmt::format("broadcast ({}, {}, root {})", dtype_name(dtype), count, root);
+      case CallOp::all_gather: return fmt::format("all_gather ({}, {})", dtype_name(dtype), count);
+      case CallOp::barrier: return "barrier";
+    }
+    return "?";
+  }
+};
+static_assert(sizeof(Call) == 16);
+
 struct Task {
   std::shared_ptr<Work> work;
   std::function<void()> run;
+  Call call;
+  int64_t seq = 0;
 };
 
 class GlooGroup final : public ProcessGroup {
@@ -138,6 +171,11 @@ class GlooGroup final : public ProcessGroup {
         peer_pids_.push_back(nl == std::string::npos ? 0 : static_cast<pid_t>(std::atoll(v.substr(0, nl).c_str())));
         peer_hosts_.push_back(nl == std::string::npos ? std::string() : v.substr(nl + 1));
       }
+      if (rank == 0) {
+        const char* check = std::getenv("TANDEM_COLLECTIVE_CHECK");
+        peers.set("check-calls", (check != nullptr && std::string(check) == "0") ? "0" : "1");
+      }
+      check_calls_ = to_string(peers.get("check-calls")) == "1";
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -169,7 +207,8 @@ class GlooGroup final : public ProcessGroup {
     check_buffer("all_reduce", buf);
     TANDEM_CHECK(buf.dtype != DType::b8, ValueError, "all_reduce: gloo backend cannot reduce bool buffers; use uint8");
     const int64_t seq = peek();
-    return issue(fmt::format("all_reduce #{} ({}, {}, {})", seq, dtype_name(buf.dtype), buf.count, reduce_op_name(op)), [=, this] {
+    const Call call{.op = CallOp::all_reduce, .dtype = buf.dtype, .redop = op, .count = buf.count};
+    return issue(fmt::format("all_reduce #{} ({}, {}, {})", seq, dtype_name(buf.dtype), buf.count, reduce_op_name(op)), call, [=, this] {
       if (buf.count == 0) return;
       if (is_reduced_float(buf.dtype)) {
         // Widened to f32, reduced in f32 and rounded once.
@@ -196,7 +235,8 @@ class GlooGroup final : public ProcessGroup {
     check_buffer("broadcast", buf);
     TANDEM_CHECK(root >= 0 && root < size(), ValueError, "broadcast: root {} is outside the group of size {}", root, size());
     const int64_t seq = peek();
-    return issue(fmt::format("broadcast #{} ({}, {}, root {})", seq, dtype_name(buf.dtype), buf.count, root), [=, this] {
+    const Call call{.op = CallOp::broadcast, .dtype = buf.dtype, .root = root, .count = buf.count};
+    return issue(fmt::format("broadcast #{} ({}, {}, root {})", seq, dtype_name(buf.dtype), buf.count, root), call, [=, this] {
       if (buf.count == 0) return;
       gloo::BroadcastOptions opts(context_);
       opts.setOutput(static_cast<uint8_t*>(buf.data), buf.nbytes());
@@ -216,7 +256,8 @@ class GlooGroup final : public ProcessGroup {
                  "all_gather: the output needs world size {} x input count {} = {} elements, got {}", size(), in.count,
                  in.count * size(), out.count);
     const int64_t seq = peek();
-    return issue(fmt::format("all_gather #{} ({}, {})", seq, dtype_name(in.dtype), in.count), [=, this] {
+    const Call call{.op = CallOp::all_gather, .dtype = in.dtype, .count = in.count};
+    return issue(fmt::format("all_gather #{} ({}, {})", seq, dtype_name(in.dtype), in.count), call, [=, this] {
       if (in.count == 0) return;
       gloo::AllgatherOptions opts(context_);
       opts.setInput(static_cast<uint8_t*>(in.data), in.nbytes());
@@ -229,7 +270,7 @@ class GlooGroup final : public ProcessGroup {
 
   std::shared_ptr<Work> barrier() override {
     const int64_t seq = peek();
-    return issue(fmt::format("barrier #{}", seq), [=, this] {
+    return issue(fmt::format("barrier #{}", seq), Call{}, [=, this] {
       gloo::BarrierOptions opts(context_);
       opts.setTag(static_cast<uint32_t>(seq));
       opts.setTimeout(timeout());
@@ -263,17 +304,17 @@ class GlooGroup final : public ProcessGroup {
     return seq_;
   }
 
-  std::shared_ptr<Work> issue(std::string description, std::function<void()> run) {
+  std::shared_ptr<Work> issue(std::string description, const Call& call, std::function<void()> run) {
     auto work = std::make_shared<Work>(std::move(description));
-    work->set_default_wait(timeout() + std::chrono::seconds(60));
+    work->set_default_wait(timeout() * (check_calls_ ? 2 : 1) + std::chrono::seconds(60));
     {
       std::lock_guard lock(mu_);
-      ++seq_;
+      const int64_t seq = seq_++;
       if (broken_) {
         work->finish(std::make_exception_ptr(CommError(fmt::format("{}: the gloo process group is unusable: {}", work->description(), broken_reason_))));
         return work;
       }
-      queue_.push_back(Task{work, std::move(run)});
+      queue_.push_back(Task{work, std::move(run), call, seq});
     }
     cv_.notify_all();
     return work;
@@ -290,13 +331,16 @@ class GlooGroup final : public ProcessGroup {
         queue_.pop_front();
       }
       try {
+        if (check_calls_) check_call(task);
         task.run();
         task.work->finish();
       } catch (const std::exception& e) {
         // gloo reports timeouts and dead peers as IoException; the pairs are unusable afterwards.
         const std::string reason =
             fmt::format("{} failed on rank {} of {}: {}{}", task.work->description(), rank(), size(), e.what(), dead_peers());
-        const bool timed_out = std::string(e.what()).find("imeout") != std::string::npos;
+        // gloo says "Timed out waiting 3000ms for recv operation to complete".
+        const std::string what = e.what();
+        const bool timed_out = what.find("Timed out") != std::string::npos || what.find("imeout") != std::string::npos;
         task.work->finish(timed_out ? std::make_exception_ptr(Timeout(reason)) : std::make_exception_ptr(CommError(reason)));
         std::deque<Task> dropped;
         {
@@ -306,6 +350,25 @@ class GlooGroup final : public ProcessGroup {
           dropped.swap(queue_);
         }
         for (auto& t : dropped) t.work->finish(std::make_exception_ptr(CommError(fmt::format("{}: not run: {}", t.work->description(), reason))));
+      }
+    }
+  }
+
+  void check_call(const Task& task) {
+    std::vector<Call> all(static_cast<size_t>(size()));
+    Call mine = task.call;
+    gloo::AllgatherOptions opts(context_);
+    opts.setInput(reinterpret_cast<uint8_t*>(&mine), sizeof(Call));
+    opts.setOutput(reinterpret_cast<uint8_t*>(all.data()), sizeof(Call) * all.size());
+    opts.setTag(static_cast<uint32_t>(task.seq) | 0x80000000u);  // apart from the collectives' tags
+    opts.setTimeout(timeout());
+    gloo::allgather(opts);
+    for (int r = 1; r < size(); ++r) {
+      if (!(all[static_cast<size_t>(r)] == all[0])) {
+        throw CommError(fmt::format(
+            "collective mismatch at #{}: rank {} called {} while rank 0 called {}; every rank must issue the same "
+            "collectives in the same order with the same dtype, count and root",
+            task.seq, r, all[static_cast<size_t>(r)].str(), all[0].str()));
       }
     }
   }
@@ -334,6 +397,7 @@ class GlooGroup final : public ProcessGroup {
   std::vector<std::string> peer_hosts_;   // by rank: host_identity() of each rank
   std::shared_ptr<gloo::Context> context_;
   std::vector<float> wide_;  // f32 staging of 16-bit all_reduce
+  bool check_calls_ = true;  // Call exchanged before each collective (rank 0's TANDEM_COLLECTIVE_CHECK)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;

@@ -111,7 +111,7 @@ struct Desc {
   int64_t count = 0;
   uint64_t code = 0;  // kSlotCode, or an offset into the rank's heap
   // A hash of every collective this rank ran before this one (their calls as same_call compares
-  // them). A broadcast or scatter in which several ranks take themselves for the root reads no
+  // them, count-0 ones included). A broadcast or scatter in which several ranks take themselves for the root reads no
   // peer, so nothing compares it there; the next collective's comparison of histories catches it.
   uint64_t history = 0;
 
@@ -446,7 +446,12 @@ ShmGroup::ShmGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGrou
     // before their timeout (30 minutes by default).
     try {
       store_->set(fmt::format("shm/failed/{}", rank), std::string(e.what()));
-      store_->add("shm/failures", 1);
+      // Stay until every rank has failed too (each learns the reason from the store, which this
+      // process may host) or for at most 5 s (a rank that died never counts itself in).
+      const auto until = Clock::now() + std::min<Clock::duration>(std::chrono::seconds(5), options.timeout);
+      for (int64_t n = store_->add("shm/failures", 1); n < size && Clock::now() < until; n = store_->add("shm/failures", 0)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
     } catch (...) {
     }
     throw;
@@ -716,14 +721,16 @@ void ShmGroup::execute(Task& t) noexcept {
     t.work->finish();
   } catch (...) {
     auto e = std::current_exception();
-    // Not through fail() (no room for a copy, an argument check): the peers must not wait for
-    // this rank until their timeout.
+    // Not through fail() (out of memory, say): the peers must not wait for this rank until their
+    // timeout.
     try {
-      throw;
-    } catch (const std::exception& x) {
-      announce_failure(fmt::format("rank {} failed in {}: {}", rank(), t.work->description(), x.what()));
-    } catch (...) {
-      announce_failure(fmt::format("rank {} failed in {}", rank(), t.work->description()));
+      try {
+        throw;
+      } catch (const std::exception& x) {
+        announce_failure(fmt::format("rank {} failed in {}: {}", rank(), t.work->description(), x.what()));
+      }
+    } catch (...) {  // not a std::exception, or no memory left to say more
+      announce_failure("a rank failed in a collective (no message)");
     }
     {
       std::lock_guard lock(q_mu_);
@@ -972,7 +979,7 @@ uint64_t ShmGroup::arrived(Ctx& c, int p) {
   if (d.history != c.desc.history) {
     // An earlier collective differed where nobody compared it (e.g. two ranks each broadcast as
     // the root): name it when it is still in both rings.
-    std::string which = "more than " + std::to_string(kRecent) + " collectives ago";
+    std::string which = "in a collective no longer in both ranks' rings of recent ones";
     const RankCtl& me = ctl(rank());
     for (int64_t s = std::max<int64_t>(0, seq - kRecent + 1); s < seq; ++s) {
       const Desc& theirs = pc.recent[s % kRecent];

@@ -305,9 +305,10 @@ HookResult powersgd_bucket(const std::shared_ptr<PowerSGDState>& sp, dist::Proce
     }
     // Summed P: orthonormalised next, so no division.
     all_reduce_sum(group, p_flat, wire);
-    if (!all_finite(p_flat)) {
-      // Some rank's gradient was not finite (an fp16 loss-scale overflow, say). The summed P is
-      // the same on every rank, so every rank takes this branch and skips the Q all-reduce. The
+    if (!all_finite(p_flat) || !all_finite(plain_flat)) {
+      // Some rank's gradient was not finite (an fp16 loss-scale overflow, say). The summed P and
+      // the averaged small gradients are the same on every rank, so every rank takes this branch
+      // and skips the Q all-reduce. The
       // compressed gradients become NaN (a GradScaler skips the step), and the error feedback
       // and the warm-start Qs stay as they were: storing input - NaN would poison every later
       // step.

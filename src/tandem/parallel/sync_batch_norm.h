@@ -2,7 +2,8 @@
 // (torch.nn.SyncBatchNorm). Forward gathers every rank's (count, mean, M2) per channel and combines
 // them exactly (Chan et al.; unequal per-rank batches are fine); backward all-reduces the two
 // per-channel sums (dy, dy * (x - mean)) when the input needs a gradient (as torch: without one,
-// only the weight's and bias's local sums, no collective). Invariant: running stats are computed from the same
+// only the weight's and bias's local sums, no collective; so whether it needs one must be the
+// same on every rank). Invariant: running stats are computed from the same
 // gathered numbers in the same order on every rank, so they stay identical everywhere.
 // Its backward all-reduce runs inside backward, between DDP's bucket all-reduces: under
 // find_unused_parameters with a set of unused parameters that differs across ranks, a bucket may
