@@ -171,6 +171,66 @@ int run_desync() {
   return failed;
 }
 
+// A late rank, not a desync: rank 1 enters all_reduce #0 1.5 s late under a 1 s timeout. Rank 0's
+// watchdog fires at 1 s and spends up to 1 s on its desync diagnosis, during which #0 completes;
+// it used to mark the group broken anyway once the diagnosis was over, so a later collective
+// failed with "the mpi process group is unusable". Now the completed collective stands and the
+// group stays usable.
+int run_late_arrival() {
+  const int rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+  const int size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+  if (size != 2) {
+    std::fprintf(stderr, "--late-arrival needs mpirun -np 2\n");
+    return 2;
+  }
+  auto world = make_mpi_group(nullptr, rank, size, {});
+  TCPStoreOptions so;
+  so.timeout = std::chrono::seconds(30);
+  so.wait_for_workers = false;
+  so.token = "mpi-late";
+  so.is_master = rank == 0;
+  std::shared_ptr<TCPStore> store;
+  int32_t port = 0;
+  if (rank == 0) {
+    store = std::make_shared<TCPStore>("127.0.0.1", 0, so);
+    port = store->port();
+  }
+  world->broadcast(Buffer{&port, 1, DType::i32, kCPU}, 0)->wait();
+  if (rank != 0) store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(port), so);
+  ProcessGroupOptions pgo;
+  pgo.timeout = std::chrono::seconds(1);
+  auto pg = make_mpi_group(store, rank, size, pgo);
+  const auto start = std::chrono::steady_clock::now();
+  int32_t failed = 0;
+  float x[4] = {1, 2, 3, 4};
+  if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  std::string first = "ok";
+  try {
+    pg->all_reduce(Buffer{x, 4, DType::f32, kCPU})->wait();
+  } catch (const std::exception& e) {
+    first = e.what();  // rank 0 may see its Timeout (the watchdog failed the Work at 1 s)
+  }
+  std::this_thread::sleep_until(start + std::chrono::milliseconds(3000));
+  float y[4] = {1, 2, 3, 4};
+  try {
+    pg->all_reduce(Buffer{y, 4, DType::f32, kCPU})->wait();
+    for (int i = 0; i < 4; ++i) {
+      if (y[i] != 2.0f * static_cast<float>(i + 1)) {
+        std::fprintf(stderr, "[rank %d] FAILED: all_reduce #1 element %d = %g\n", rank, i, y[i]);
+        failed = 1;
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[rank %d] FAILED: all_reduce #1 after a late but completed #0 (%s): %s\n", rank,
+                 first.c_str(), e.what());
+    failed = 1;
+  }
+  world->all_reduce(Buffer{&failed, 1, DType::i32, kCPU}, ReduceOp::MAX)->wait(std::chrono::seconds(30));
+  if (rank == 0 && failed == 0) std::printf("late-arrival test passed on every rank\n");
+  std::fflush(stdout);
+  return failed;
+}
+
 // The sweep's 1-ulp check must catch 16-bit partial sums: with TANDEM_MPI_HALF_WIRE=1 (pairwise
 // rounding through MPI_Op_create ops) a bf16/f16 SUM over 3 ranks fails it, yet stays within the
 // (n-1)-ulp bound of a pairwise chain. Exits 0 when both hold.
@@ -306,7 +366,7 @@ int run_gloo(int nprocs, int64_t bench_bytes) {
 int main(int argc, char** argv) {
   std::string backend = "mpi";
   int spawn = 2;
-  bool large = false, desync = false, half_wire = false;
+  bool large = false, desync = false, half_wire = false, late = false;
   int64_t bench_bytes = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -314,10 +374,11 @@ int main(int argc, char** argv) {
     else if (a == "--spawn" && i + 1 < argc) spawn = std::atoi(argv[++i]);
     else if (a == "--large") large = true;
     else if (a == "--desync") desync = true;
+    else if (a == "--late-arrival") late = true;
     else if (a == "--half-wire-check") half_wire = true;
     else if (a == "--bench" && i + 1 < argc) bench_bytes = std::atoll(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--half-wire-check (mpi, np 3)] [--bench BYTES]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--late-arrival (mpi, np 2)] [--half-wire-check (mpi, np 3)] [--bench BYTES]\n", argv[0]);
       return 2;
     }
   }
@@ -325,6 +386,7 @@ int main(int argc, char** argv) {
     int rc;
     if (backend == "gloo") rc = run_gloo(spawn, bench_bytes);
     else if (desync) rc = run_desync();
+    else if (late) rc = run_late_arrival();
     else if (half_wire) rc = run_half_wire_check();
     else if (bench_bytes > 0) rc = run_mpi_bench(bench_bytes);
     else rc = run_mpi(large);

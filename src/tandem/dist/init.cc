@@ -449,8 +449,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   auto pg_store = std::make_shared<PrefixStore>(name, store);
   ProcessGroupOptions pgo;
   pgo.timeout = options.timeout;
-  s.default_pg = make_process_group(options.backend, pg_store, rank, world_size, pgo);
+  // Registered only once nothing can fail any more: a half-registered default group (no store)
+  // would make a later init_process_group say "already called" and new_group use a null store.
+  auto pg = make_process_group(options.backend, pg_store, rank, world_size, pgo);
   release_store_host(*store, name, rank, world_size, options.timeout, announced, "init_process_group");
+  s.default_pg = std::move(pg);
   s.store = store;
   s.backend = options.backend;
   s.group_name = name;

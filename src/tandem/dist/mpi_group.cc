@@ -791,6 +791,9 @@ class MpiGroup final : public ProcessGroup {
           "{} timed out after {} ms on rank {} of {} (MPI cannot abort a collective; the group is now unusable){}",
           what, timeout().count(), rank(), size(), peers);
       lock.lock();
+      // The diagnosis takes up to 5 s without the lock: the collective may have completed
+      // meanwhile (and the next one started), and then there is nothing to fail.
+      if (stopped_ || running_id_ != id || running_ == nullptr) continue;
       broken_ = true;
       broken_reason_ = reason;
       std::deque<Task> dropped;
