@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <string>
 
 #include <fmt/format.h>
@@ -167,6 +168,57 @@ int run_desync() {
   world->all_reduce(Buffer{&failed, 1, DType::i32, kCPU}, ReduceOp::MAX)->wait(std::chrono::seconds(30));
   std::printf("desync diagnosed on rank %d\n", rank);
   if (rank == 0 && failed == 0) std::printf("desync test passed on every rank\n");
+  std::fflush(stdout);
+  return failed;
+}
+
+// Ranks that disagree on a collective: a dtype that differs at the same byte count used to reduce
+// integer bits as floats without a word, counts that differ to end in MPI's truncation error or a
+// hang. The calls are exchanged first, and every rank stops with an error naming both.
+int run_mismatch() {
+  const int rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+  const int size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+  if (size != 2) {
+    std::fprintf(stderr, "--mismatch needs mpirun -np 2\n");
+    return 2;
+  }
+  auto world = make_mpi_group(nullptr, rank, size, {});
+  int32_t failed = 0;
+  struct Case {
+    const char* what;
+    std::function<std::shared_ptr<Work>(ProcessGroup&, float*, int32_t*)> call;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"dtype", [&](ProcessGroup& pg, float* f, int32_t* i) {
+         return rank == 0 ? pg.all_reduce(Buffer{f, 4, DType::f32, kCPU}) : pg.all_reduce(Buffer{i, 4, DType::i32, kCPU});
+       }, "collective mismatch at #0: rank 1 called all_reduce (int32, 4, SUM) while rank 0 called all_reduce (float32, 4, SUM)"},
+      {"count", [&](ProcessGroup& pg, float* f, int32_t*) {
+         return pg.all_reduce(Buffer{f, rank == 0 ? 10 : 20, DType::f32, kCPU});
+       }, "rank 1 called all_reduce (float32, 20, SUM) while rank 0 called all_reduce (float32, 10, SUM)"},
+      {"op", [&](ProcessGroup& pg, float* f, int32_t*) {
+         return pg.all_reduce(Buffer{f, 4, DType::f32, kCPU}, rank == 0 ? ReduceOp::SUM : ReduceOp::MAX);
+       }, "rank 1 called all_reduce (float32, 4, MAX) while rank 0 called all_reduce (float32, 4, SUM)"},
+  };
+  for (const Case& c : cases) {
+    ProcessGroupOptions o;
+    o.timeout = std::chrono::seconds(10);
+    auto pg = make_mpi_group(nullptr, rank, size, o);
+    std::vector<float> f(32, 1.0f);
+    std::vector<int32_t> i(32, 1);
+    std::string message = "(no error)";
+    try {
+      c.call(*pg, f.data(), i.data())->wait();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    if (message.find(c.expect) == std::string::npos) {
+      std::fprintf(stderr, "[rank %d] FAILED: %s mismatch: %s\n", rank, c.what, message.c_str());
+      failed = 1;
+    }
+  }
+  world->all_reduce(Buffer{&failed, 1, DType::i32, kCPU}, ReduceOp::MAX)->wait(std::chrono::seconds(30));
+  if (rank == 0 && failed == 0) std::printf("mismatch test passed on every rank\n");
   std::fflush(stdout);
   return failed;
 }
@@ -366,7 +418,7 @@ int run_gloo(int nprocs, int64_t bench_bytes) {
 int main(int argc, char** argv) {
   std::string backend = "mpi";
   int spawn = 2;
-  bool large = false, desync = false, half_wire = false, late = false;
+  bool large = false, desync = false, half_wire = false, late = false, mismatch = false;
   int64_t bench_bytes = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -375,10 +427,11 @@ int main(int argc, char** argv) {
     else if (a == "--large") large = true;
     else if (a == "--desync") desync = true;
     else if (a == "--late-arrival") late = true;
+    else if (a == "--mismatch") mismatch = true;
     else if (a == "--half-wire-check") half_wire = true;
     else if (a == "--bench" && i + 1 < argc) bench_bytes = std::atoll(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--late-arrival (mpi, np 2)] [--half-wire-check (mpi, np 3)] [--bench BYTES]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--backend mpi|gloo] [--spawn N (gloo)] [--large] [--desync (mpi, np 2)] [--late-arrival (mpi, np 2)] [--mismatch (mpi, np 2)] [--half-wire-check (mpi, np 3)] [--bench BYTES]\n", argv[0]);
       return 2;
     }
   }
@@ -387,6 +440,7 @@ int main(int argc, char** argv) {
     if (backend == "gloo") rc = run_gloo(spawn, bench_bytes);
     else if (desync) rc = run_desync();
     else if (late) rc = run_late_arrival();
+    else if (mismatch) rc = run_mismatch();
     else if (half_wire) rc = run_half_wire_check();
     else if (bench_bytes > 0) rc = run_mpi_bench(bench_bytes);
     else rc = run_mpi(large);

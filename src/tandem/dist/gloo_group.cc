@@ -2,6 +2,7 @@
 // between every two ranks, rendezvous through our Store. all_reduce, broadcast, all_gather and
 // barrier; other collectives throw "backend 'gloo' does not support ...". Invariant: one progress
 // thread per group runs the collectives in issue order; gloo enforces the group's timeout itself.
+// Each collective is preceded by an exchange of the ranks' calls (collective_call.h).
 #include "tandem/dist/backends.h"
 
 #ifndef TANDEM_WITH_GLOO
@@ -35,6 +36,7 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store>, int, int, 
 #include <gloo/transport/tcp/device.h>
 
 #include "tandem/core/convert.h"
+#include "tandem/dist/collective_call.h"
 #include "tandem/dist/shm_segment.h"
 
 namespace tandem::dist {
@@ -81,36 +83,7 @@ void reduce_fn(ReduceOp op, void* c_, const void* a_, const void* b_, size_t n) 
   }
 }
 
-// What a collective is, as every rank must agree on it. gloo takes a mismatch badly: counts that
-// differ abort the process from gloo's network thread (std::terminate, no word on which op), and a
-// dtype or reduce op that differs at the same byte count reduces garbage without a word. So each
-// collective is preceded by a fixed-size all_gather of the ranks' Calls (which cannot mismatch),
-// and every rank, seeing the same table, stops with the same error naming the first rank that
-// differs from rank 0. TANDEM_COLLECTIVE_CHECK=0 (rank 0's environment decides for the group)
-// turns it off: one small all_gather per collective less, about 40-100 us over loopback TCP.
-enum class CallOp : uint8_t { all_reduce, broadcast, all_gather, barrier };
-struct Call {
-  CallOp op = CallOp::barrier;
-  DType dtype = DType::f32;
-  ReduceOp redop = ReduceOp::SUM;
-  uint8_t pad = 0;
-  int32_t root = 0;
-  int64_t count = 0;
-  bool operator==(const Call& o) const {
-    return op == o.op && (op == CallOp::barrier || (dtype == o.dtype && count == o.count)) &&
-           (op != CallOp::broadcast || root == o.root) && (op != CallOp::all_reduce || redop == o.redop);
-  }
-  std::string str() const {
-    switch (op) {
-      case CallOp::all_reduce: return fmt::format("all_reduce ({}, {}, {})", dtype_name(dtype), count, reduce_op_name(redop));
-      case CallOp::broadcast: return fmt::format("broadcast ({}, {}, root {})", dtype_name(dtype), count, root);
-      case CallOp::all_gather: return fmt::format("all_gather ({}, {})", dtype_name(dtype), count);
-      case CallOp::barrier: return "barrier";
-    }
-    return "?";
-  }
-};
-static_assert(sizeof(Call) == 16);
+using Call = CollectiveCall;  // exchanged before each collective (collective_call.h)
 
 struct Task {
   std::shared_ptr<Work> work;
@@ -171,10 +144,7 @@ class GlooGroup final : public ProcessGroup {
         peer_pids_.push_back(nl == std::string::npos ? 0 : static_cast<pid_t>(std::atoll(v.substr(0, nl).c_str())));
         peer_hosts_.push_back(nl == std::string::npos ? std::string() : v.substr(nl + 1));
       }
-      if (rank == 0) {
-        const char* check = std::getenv("TANDEM_COLLECTIVE_CHECK");
-        peers.set("check-calls", (check != nullptr && std::string(check) == "0") ? "0" : "1");
-      }
+      if (rank == 0) peers.set("check-calls", collective_check_wanted() ? "1" : "0");
       check_calls_ = to_string(peers.get("check-calls")) == "1";
     } catch (const Error&) {
       throw;
@@ -363,14 +333,7 @@ class GlooGroup final : public ProcessGroup {
     opts.setTag(static_cast<uint32_t>(task.seq) | 0x80000000u);  // apart from the collectives' tags
     opts.setTimeout(timeout());
     gloo::allgather(opts);
-    for (int r = 1; r < size(); ++r) {
-      if (!(all[static_cast<size_t>(r)] == all[0])) {
-        throw CommError(fmt::format(
-            "collective mismatch at #{}: rank {} called {} while rank 0 called {}; every rank must issue the same "
-            "collectives in the same order with the same dtype, count and root",
-            task.seq, r, all[static_cast<size_t>(r)].str(), all[0].str()));
-      }
-    }
+    if (std::string m = call_mismatch(all, task.seq); !m.empty()) throw CommError(m);
   }
 
   // "; rank 2 (pid 1234) died (no such process left on this host)" for the peers on this host
@@ -397,7 +360,7 @@ class GlooGroup final : public ProcessGroup {
   std::vector<std::string> peer_hosts_;   // by rank: host_identity() of each rank
   std::shared_ptr<gloo::Context> context_;
   std::vector<float> wide_;  // f32 staging of 16-bit all_reduce
-  bool check_calls_ = true;  // Call exchanged before each collective (rank 0's TANDEM_COLLECTIVE_CHECK)
+  bool check_calls_ = true;  // calls exchanged before each collective (rank 0's TANDEM_COLLECTIVE_CHECK)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;

@@ -5,6 +5,7 @@
 // the progress thread calls MPI on the group's communicator (MPI_THREAD_MULTIPLE is requested so
 // several groups and the user may call MPI concurrently).
 #include "tandem/dist/backends.h"
+#include "tandem/dist/collective_call.h"
 
 #ifndef TANDEM_WITH_MPI
 
@@ -201,6 +202,8 @@ struct Task {
   bool p2p = false;
   bool is_recv = false;
   std::function<void(MPI_Request*)> post;  // p2p: posts the request instead of run
+  CollectiveCall call;                     // collectives: exchanged first (collective_call.h)
+  int64_t seq = 0;
 };
 
 // Shared by a group and its progress thread, so that a thread left blocked inside MPI by a
@@ -226,6 +229,10 @@ class MpiGroup final : public ProcessGroup {
     create_communicator(rt);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     half_wire_ = half_wire();
+    // Rank 0's environment decides whether calls are exchanged before collectives (all must agree).
+    int32_t check = collective_check_wanted() ? 1 : 0;
+    check_rc("MPI_Bcast", MPI_Bcast(&check, 1, MPI_INT32_T, 0, comm_));
+    check_calls_ = check != 0;
     rt.add(this);
     progress_ = std::thread([this, lifeline = lifeline_] { progress_loop(lifeline); });
     watchdog_ = std::thread([this] { watchdog_loop(); });
@@ -294,6 +301,7 @@ class MpiGroup final : public ProcessGroup {
     check_buffer("all_reduce", buf);
     check_reducible("all_reduce", buf.dtype, op);
     return issue(fmt::format("all_reduce #{} ({}, {}, {})", peek_seq(), dtype_name(buf.dtype), buf.count, reduce_op_name(op)),
+                 CollectiveCall{.op = CallOp::all_reduce, .dtype = buf.dtype, .redop = op, .count = buf.count},
                  [this, buf, op] { reduce_impl(buf, op, -1); });
   }
 
@@ -302,6 +310,7 @@ class MpiGroup final : public ProcessGroup {
     check_root("reduce", root);
     check_reducible("reduce", buf.dtype, op);
     return issue(fmt::format("reduce #{} ({}, {}, {}, root {})", peek_seq(), dtype_name(buf.dtype), buf.count, reduce_op_name(op), root),
+                 CollectiveCall{.op = CallOp::reduce, .dtype = buf.dtype, .redop = op, .root = root, .count = buf.count},
                  [this, buf, op, root] { reduce_impl(buf, op, root); });
   }
 
@@ -309,6 +318,7 @@ class MpiGroup final : public ProcessGroup {
     check_buffer("broadcast", buf);
     check_root("broadcast", root);
     return issue(fmt::format("broadcast #{} ({}, {}, root {})", peek_seq(), dtype_name(buf.dtype), buf.count, root),
+                 CollectiveCall{.op = CallOp::broadcast, .dtype = buf.dtype, .root = root, .count = buf.count},
                  [this, buf, root] {
                    auto* p = static_cast<char*>(buf.data);
                    const size_t es = element_size(buf.dtype);
@@ -327,7 +337,8 @@ class MpiGroup final : public ProcessGroup {
                  "all_gather: the output needs world size {} x input count {} = {} elements, got {}",
                  size(), in.count, in.count * size(), out.count);
     check_int_count("all_gather", in.count);
-    return issue(fmt::format("all_gather #{} ({}, {})", peek_seq(), dtype_name(in.dtype), in.count), [this, out, in] {
+    return issue(fmt::format("all_gather #{} ({}, {})", peek_seq(), dtype_name(in.dtype), in.count),
+                 CollectiveCall{.op = CallOp::all_gather, .dtype = in.dtype, .count = in.count}, [this, out, in] {
       check_rc("MPI_Allgather", MPI_Allgather(in.data, static_cast<int>(in.count), mpi_type(in.dtype), out.data,
                                               static_cast<int>(in.count), mpi_type(in.dtype), comm_));
     });
@@ -343,7 +354,8 @@ class MpiGroup final : public ProcessGroup {
       TANDEM_CHECK(o.count == in.count, ValueError, "all_gather: every output buffer needs the input's {} elements, got {}", in.count, o.count);
     }
     check_int_count("all_gather", in.count);
-    return issue(fmt::format("all_gather #{} ({}, {}, list)", peek_seq(), dtype_name(in.dtype), in.count), [this, outs, in] {
+    return issue(fmt::format("all_gather #{} ({}, {}, list)", peek_seq(), dtype_name(in.dtype), in.count),
+                 CollectiveCall{.op = CallOp::all_gather, .dtype = in.dtype, .count = in.count}, [this, outs, in] {
       std::vector<char> flat(in.nbytes() * static_cast<size_t>(size()));
       check_rc("MPI_Allgather", MPI_Allgather(in.data, static_cast<int>(in.count), mpi_type(in.dtype), flat.data(),
                                               static_cast<int>(in.count), mpi_type(in.dtype), comm_));
@@ -363,6 +375,7 @@ class MpiGroup final : public ProcessGroup {
                  size(), out.count, out.count * size(), in.count);
     check_int_count("reduce_scatter", out.count);
     return issue(fmt::format("reduce_scatter #{} ({}, {}, {})", peek_seq(), dtype_name(in.dtype), out.count, reduce_op_name(op)),
+                 CollectiveCall{.op = CallOp::reduce_scatter, .dtype = in.dtype, .redop = op, .count = out.count},
                  [this, out, in, op] {
                    const int n = static_cast<int>(out.count);
                    if (is_reduced_float(in.dtype) && !half_wire_) {
@@ -389,7 +402,8 @@ class MpiGroup final : public ProcessGroup {
                    size(), in.count, in.count * size(), out.count);
     }
     check_int_count("gather", in.count);
-    return issue(fmt::format("gather #{} ({}, {}, root {})", peek_seq(), dtype_name(in.dtype), in.count, root), [this, out, in, root] {
+    return issue(fmt::format("gather #{} ({}, {}, root {})", peek_seq(), dtype_name(in.dtype), in.count, root),
+                 CollectiveCall{.op = CallOp::gather, .dtype = in.dtype, .root = root, .count = in.count}, [this, out, in, root] {
       check_rc("MPI_Gather", MPI_Gather(in.data, static_cast<int>(in.count), mpi_type(in.dtype), rank() == root ? out.data : nullptr,
                                         static_cast<int>(in.count), mpi_type(in.dtype), root, comm_));
     });
@@ -406,7 +420,8 @@ class MpiGroup final : public ProcessGroup {
                    size(), out.count, out.count * size(), in.count);
     }
     check_int_count("scatter", out.count);
-    return issue(fmt::format("scatter #{} ({}, {}, root {})", peek_seq(), dtype_name(out.dtype), out.count, root), [this, out, in, root] {
+    return issue(fmt::format("scatter #{} ({}, {}, root {})", peek_seq(), dtype_name(out.dtype), out.count, root),
+                 CollectiveCall{.op = CallOp::scatter, .dtype = out.dtype, .root = root, .count = out.count}, [this, out, in, root] {
       check_rc("MPI_Scatter", MPI_Scatter(rank() == root ? in.data : nullptr, static_cast<int>(out.count), mpi_type(out.dtype),
                                           out.data, static_cast<int>(out.count), mpi_type(out.dtype), root, comm_));
     });
@@ -421,14 +436,16 @@ class MpiGroup final : public ProcessGroup {
                  size(), in.count, out.count);
     const int64_t k = in.count / size();
     check_int_count("all_to_all", k);
-    return issue(fmt::format("all_to_all #{} ({}, {})", peek_seq(), dtype_name(in.dtype), in.count), [this, out, in, k] {
+    return issue(fmt::format("all_to_all #{} ({}, {})", peek_seq(), dtype_name(in.dtype), in.count),
+                 CollectiveCall{.op = CallOp::all_to_all, .dtype = in.dtype, .count = in.count}, [this, out, in, k] {
       check_rc("MPI_Alltoall", MPI_Alltoall(in.data, static_cast<int>(k), mpi_type(in.dtype), out.data, static_cast<int>(k),
                                             mpi_type(in.dtype), comm_));
     });
   }
 
   std::shared_ptr<Work> barrier() override {
-    return issue(fmt::format("barrier #{}", peek_seq()), [this] { check_rc("MPI_Barrier", MPI_Barrier(comm_)); });
+    return issue(fmt::format("barrier #{}", peek_seq()), CollectiveCall{},
+                 [this] { check_rc("MPI_Barrier", MPI_Barrier(comm_)); });
   }
 
   std::shared_ptr<Work> send(Buffer buf, int dst, int tag) override {
@@ -651,18 +668,18 @@ class MpiGroup final : public ProcessGroup {
     return seq_;
   }
 
-  std::shared_ptr<Work> issue(std::string description, std::function<void()> run) {
+  std::shared_ptr<Work> issue(std::string description, const CollectiveCall& call, std::function<void()> run) {
     auto work = std::make_shared<Work>(std::move(description));
     work->set_default_wait(timeout() + std::chrono::seconds(60));
     {
       std::lock_guard lock(mu_);
-      ++seq_;
+      const int64_t seq = seq_++;
       if (stopped_ || broken_) {
         work->finish(std::make_exception_ptr(CommError(fmt::format(
             "{}: the mpi process group is unusable: {}", work->description(), broken_ ? broken_reason_ : "it was shut down"))));
         return work;
       }
-      queue_.push_back(Task{work, std::move(run), false, false, {}});
+      queue_.push_back(Task{work, std::move(run), false, false, {}, call, seq});
     }
     cv_.notify_all();
     return work;
@@ -719,6 +736,7 @@ class MpiGroup final : public ProcessGroup {
         cv_.notify_all();  // the watchdog now watches this task
         std::exception_ptr error;
         try {
+          if (check_calls_) check_call(task);
           task.run();
         } catch (...) {
           error = std::current_exception();
@@ -837,6 +855,16 @@ class MpiGroup final : public ProcessGroup {
     }
   }
 
+  // Every rank gathers every rank's call (16 bytes each, a fixed size that cannot mismatch) and
+  // finds the same first difference, so every rank fails this collective with the same message.
+  void check_call(const Task& task) {
+    std::vector<CollectiveCall> all(static_cast<size_t>(size()));
+    CollectiveCall mine = task.call;
+    check_rc("MPI_Allgather", MPI_Allgather(&mine, sizeof(CollectiveCall), MPI_BYTE, all.data(), sizeof(CollectiveCall),
+                                            MPI_BYTE, comm_));
+    if (std::string m = call_mismatch(all, task.seq); !m.empty()) throw CommError(m);
+  }
+
   void mark_broken(const std::string& reason) {
     std::deque<Task> dropped;
     {
@@ -853,6 +881,7 @@ class MpiGroup final : public ProcessGroup {
   std::shared_ptr<Lifeline> lifeline_ = std::make_shared<Lifeline>();
   MPI_Comm comm_ = MPI_COMM_NULL;
   bool half_wire_ = false;
+  bool check_calls_ = true;
   std::vector<float> scratch_[2];  // see scratch()
   std::vector<uint16_t> scratch16_;
 
