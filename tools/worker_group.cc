@@ -239,9 +239,13 @@ pid_t spawn(const GroupConfig& config, const WorkerSpec& spec, int out_w, int er
   return pid;
 }
 
+// The worker's process group, else (not yet made) the process. The group also once the worker
+// itself has exited: what it started (data-loader processes, a background job) must not outlive
+// a stopped attempt, holding memory or ports (torchrun signals only the groups of workers still
+// running).
 void signal_worker(const Worker& w, int sig) {
-  if (!w.alive) return;
-  if (kill(-w.pid, sig) != 0) kill(w.pid, sig);  // the group, else (not yet made) the process
+  if (w.pid <= 0) return;  // never started: -0 would be our own group
+  if (kill(-w.pid, sig) != 0 && w.alive) kill(w.pid, sig);
 }
 
 }  // namespace

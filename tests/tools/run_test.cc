@@ -2,6 +2,7 @@
 // what the workers saw and what the launcher reported. Every run has a deadline (subprocess.h).
 #include <netinet/in.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <fstream>
@@ -13,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "tools/subprocess.h"
+#include "util/test_util.h"
 
 namespace tandem::testing {
 namespace {
@@ -278,6 +280,31 @@ TEST(Run, AFailingRankStopsTheOthersQuicklyAndIsNamedWithItsStderrTail) {
   EXPECT_CONTAINS(r.err, "last 2 stderr line(s):\n  [rank1]: first-words\n  [rank1]: last-words");
   EXPECT_CONTAINS(r.err, "no restarts left");
   EXPECT_NOT_CONTAINS(r.err, "rank 0 (local");  // the stopped ranks are not reported as failures
+}
+
+// A worker that exited (here successfully) left a background process in its process group; when
+// another rank's failure stops the attempt, that process is stopped too instead of living on
+// with the launcher gone.
+TEST(Run, AStoppedAttemptAlsoStopsWhatAnExitedWorkerLeftRunning) {
+  tandem::testing::TempDir dir;
+  const std::string pid_file = dir.path() + "/bg.pid";
+  const std::string script = "if [ \"$RANK\" = 0 ]; then sleep 300 </dev/null >/dev/null 2>&1 & echo $! > " + pid_file +
+                             "; exit 0; else sleep 1; exit 3; fi";
+  ProcResult r = run_process({kTandem, "run", "--standalone", "--nproc-per-node", "2", "/bin/sh", "-c", script},
+                             launcher_env());
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  std::ifstream f(pid_file);
+  long pid = 0;
+  ASSERT_TRUE(f >> pid) << "rank 0 did not start its background process";
+  bool gone = false;
+  for (int i = 0; i < 100 && !gone; ++i) {  // SIGTERM, then the grace period's SIGKILL: at most ~5 s
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    gone = !std::getline(stat, line) || line.find(") Z ") != std::string::npos;
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!gone) kill(static_cast<pid_t>(pid), SIGKILL);
+  EXPECT_TRUE(gone) << "rank 0's background process " << pid << " outlived the stopped attempt";
 }
 
 TEST(Run, ARankKilledByASignalIsNamedBySignal) {

@@ -184,10 +184,21 @@ TEST(Checkpoint, KeepLastAndResumeAutoPickTheNewestComplete) {
   fs::create_directories(dir.path() + "/step_00000030");
   std::ofstream(dir.path() + "/step_00000030/model.safetensors") << "partial";
   EXPECT_EQ(*latest_checkpoint(dir.path()), dir.path() + "/step_00000020");
-  // Saving the same step again replaces it; the next save sweeps the temporary away.
-  save_checkpoint(dir.path(), {a.get(), &opt, nullptr}, sample_state(20), 2);
+  // A stray directory whose step number overflows int64 is not one of ours either (it used to
+  // make every listing, so resume and every later save, throw "stoll").
+  fs::create_directories(dir.path() + "/step_99999999999999999999");
+  EXPECT_EQ(*latest_checkpoint(dir.path()), dir.path() + "/step_00000020");
+  // Saving the same step again replaces it (the two directories exchanged in one rename, so
+  // that a crash leaves one of them under the name); the next save sweeps the temporary away.
+  CheckpointState again = sample_state(20);
+  again.extra["marker"] = "second";
+  save_checkpoint(dir.path(), {a.get(), &opt, nullptr}, again, 2);
   EXPECT_FALSE(fs::exists(dir.path() + "/.tmp.step_00000025.999"));
   EXPECT_EQ(*latest_checkpoint(dir.path()), dir.path() + "/step_00000020");
+  EXPECT_EQ(load_checkpoint(dir.path() + "/step_00000020", {a.get(), &opt, nullptr}).extra.value("marker", ""), "second");
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(e.path().filename().string().rfind(".old.", 0), std::string::npos) << e.path();
+  }
 }
 
 TEST(Checkpoint, DifferentModelIsRefusedAndNothingChanges) {

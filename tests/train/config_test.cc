@@ -178,6 +178,15 @@ TEST(Config, WrongTypeOrRangeNamesKeyValueAndExpectation) {
             "config: \"optimizer.params.betas\" is [0.9], expected a list of two numbers in [0, 1)");
   EXPECT_EQ(err("model.hidden", json::array({64, 0})), "config: \"model.hidden\" is [64,0], expected a non-empty list of integers >= 1");
   EXPECT_EQ(err("zero_optimization.stage", 4), "config: \"zero_optimization.stage\" is 4, expected an integer in [0, 3]");
+  // Beyond 2^53 a JSON number is no exact integer, and beyond int64 its conversion was undefined
+  // (a batch of -2446744073709551616 trained; train.steps 1e19 became one epoch).
+  EXPECT_EQ(err("train.steps", 1e19), "config: \"train.steps\" is 1e+19, expected an integer >= 0 and at most 2^53");
+  EXPECT_EQ(err("train_micro_batch_size_per_gpu", 4e18),
+            "config: \"train_micro_batch_size_per_gpu\" is 4e+18, expected an integer >= 1 and at most 2^53");
+  EXPECT_EQ(err("model.hidden", json::array({64, 1e300})),
+            "config: \"model.hidden\" is [64,1e+300], expected a non-empty list of integers >= 1");
+  // A timeout whose deadline in milliseconds would overflow (it failed at once, as a timeout).
+  EXPECT_EQ(err("dist.timeout_s", 1e10), "config: \"dist.timeout_s\" is 10000000000.0, expected a number in [0.001, 1000000]");
   EXPECT_EQ(err("model", 3), "config: \"model\" is 3, expected an object with keys: name, hidden, num_classes, vocab_size, "
                              "context, n_layer, d_model, n_head");
 }
@@ -495,6 +504,12 @@ TEST(Config, LoadConfigReadsFileAndReportsBadJson) {
   const Config c = load_config(good, {"train_batch_size=64"});
   EXPECT_EQ(c.train_batch_size, 64);
   EXPECT_THROW(load_config(bad, {}), IOError);
+  // A key given twice in one object (JSON parsers keep the last without a word): named.
+  const std::string twice = dir.path() + "/twice.json", nested = dir.path() + "/nested.json";
+  std::ofstream(twice) << R"({"train_batch_size": 32, "train_batch_size": 64})";
+  std::ofstream(nested) << R"({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "lr": 0.2}}, "train_batch_size": 8})";
+  EXPECT_EQ(error_of([&] { load_config(twice, {}); }), "config: \"" + twice + "\" gives \"train_batch_size\" twice; keep one");
+  EXPECT_EQ(error_of([&] { load_config(nested, {}); }), "config: \"" + nested + "\" gives \"optimizer.params.lr\" twice; keep one");
   EXPECT_EQ(load_config("", {}).model.hidden.size(), 2u);
   // An unreadable path says why.
   auto io_error_of = [](const std::string& path) {

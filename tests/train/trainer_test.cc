@@ -6,6 +6,7 @@
 #include "tandem/train/trainer.h"
 
 #include <cstring>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 
@@ -215,8 +216,67 @@ TEST(Trainer, ResumeIntoAnotherModelIsRefused) {
     run_training(make(j), {.out_dir = dir.path(), .resume = "auto", .out = devnull});
     ADD_FAILURE() << "expected ValueError";
   } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("tensor \"tok_emb.weight\" has shape [256, 32]"), std::string::npos) << e.what();
+    // Refused before anything is loaded, naming the key and both values (load_checkpoint's own
+    // shape check, tested in checkpoint_test, would name the first tensor that differs).
+    EXPECT_NE(std::string(e.what()).find("\"model.d_model\" is 32 in its config but 16 now"), std::string::npos) << e.what();
   }
+  std::fclose(devnull);
+}
+
+// A fresh run (no --resume) into an --out that holds an earlier run's checkpoints used to mix its
+// checkpoints with them, and keep_last deleted the new run's (lower-numbered) steps at once,
+// keeping the old run's; a later --resume auto continued the old run. It is refused, naming the
+// newest checkpoint and the two ways out, and the old checkpoints stay.
+TEST(Trainer, AFreshRunIntoAnOutHoldingCheckpointsIsRefused) {
+  tandem::testing::TempDir dir;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  json j = gpt_config();
+  j["train"]["steps"] = 4;
+  j["train"]["checkpoint_every"] = 2;
+  run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+  const auto before = list_checkpoints(dir.path() + "/checkpoints");
+  ASSERT_EQ(before.size(), 2u);
+  j["train"]["steps"] = 2;
+  try {
+    run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const ValueError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("already holds checkpoints of an earlier run (newest: " + before.back() + ")"), std::string::npos) << m;
+    EXPECT_NE(m.find("--resume auto"), std::string::npos) << m;
+  }
+  EXPECT_EQ(list_checkpoints(dir.path() + "/checkpoints"), before);
+  std::fclose(devnull);
+}
+
+// A resume whose config differs where the checkpoint's state depends on it: another seed (the
+// epoch's order changes while the position in it is kept), another optimizer (AdamW's state would
+// load into Adam), other optimizer options (the checkpoint's would win without a word). Each is
+// refused naming the key and both values; a longer run (train.steps) resumes.
+TEST(Trainer, ResumeWithAnotherSeedOrOptimizerIsRefusedNamingTheKey) {
+  tandem::testing::TempDir dir;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  json j = gpt_config();
+  j["train"]["steps"] = 2;
+  run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+  const std::vector<std::pair<std::string, std::function<void(json&)>>> changes = {
+      {"\"seed\" is", [](json& c) { c["seed"] = 7; }},
+      {"\"optimizer.type\" is", [](json& c) { c["optimizer"]["type"] = c["optimizer"]["type"] == "Adam" ? "AdamW" : "Adam"; }},
+      {"\"optimizer.params.lr\" is", [](json& c) { c["optimizer"]["params"]["lr"] = 0.5; }},
+  };
+  for (const auto& [expect, change] : changes) {
+    json k = j;
+    change(k);
+    try {
+      run_training(make(k), {.out_dir = dir.path(), .resume = "auto", .out = devnull});
+      ADD_FAILURE() << expect << ": expected ValueError";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+  }
+  j["train"]["steps"] = 3;
+  const TrainSummary s = run_training(make(j), {.out_dir = dir.path(), .resume = "auto", .out = devnull});
+  EXPECT_EQ(s.steps, 3);
   std::fclose(devnull);
 }
 

@@ -3,6 +3,7 @@
 #include "tandem/train/checkpoint.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,6 +76,7 @@ int64_t step_of(const std::string& name) {
   if (name.rfind(kPrefix, 0) != 0 || name.size() == std::strlen(kPrefix)) return -1;
   const std::string digits = name.substr(std::strlen(kPrefix));
   if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return -1;
+  if (digits.size() > 18) return -1;  // not one of ours (and beyond int64): ignored like any stray directory
   return std::stoll(digits);
 }
 
@@ -255,13 +257,23 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
     // ---- publish ----
     std::string aside;
     if (fs::exists(final_dir)) {
-      aside = fmt::format("{}/.old.{}.{}", root, name, ::getpid());
-      fs::remove_all(aside, ec);
-      fs::rename(final_dir, aside, ec);
-      TANDEM_CHECK(!ec, IOError, "checkpoint: cannot move {} aside: {}", final_dir, ec.message());
+      // A checkpoint of this step exists: swap the two directories in one step (renameat2
+      // RENAME_EXCHANGE), so that a crash leaves one of them under the name, never neither;
+      // the old one, now under the temporary name, goes below. Where the file system cannot
+      // exchange, move it aside first (a crash in between leaves it under .old.*).
+      if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+        aside = tmp;
+      } else {
+        aside = fmt::format("{}/.old.{}.{}", root, name, ::getpid());
+        fs::remove_all(aside, ec);
+        fs::rename(final_dir, aside, ec);
+        TANDEM_CHECK(!ec, IOError, "checkpoint: cannot move {} aside: {}", final_dir, ec.message());
+      }
     }
-    fs::rename(tmp, final_dir, ec);
-    TANDEM_CHECK(!ec, IOError, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+    if (aside != tmp) {
+      fs::rename(tmp, final_dir, ec);
+      TANDEM_CHECK(!ec, IOError, "checkpoint: cannot rename {} to {}: {}", tmp, final_dir, ec.message());
+    }
     fsync_path(root, true);
     if (!aside.empty()) fs::remove_all(aside, ec);
   } catch (...) {
@@ -276,6 +288,11 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
     if (n.rfind(".tmp.", 0) == 0 || n.rfind(".old.", 0) == 0) fs::remove_all(e.path(), ec);
   }
   return final_dir;
+}
+
+nlohmann::json checkpoint_config(const std::string& dir) {
+  const std::string path = dir + "/" + kStateFile;
+  return state_from_json(read_json(path), path).config;
 }
 
 std::vector<std::string> list_checkpoints(const std::string& root) {

@@ -79,8 +79,8 @@ std::string replica_name(int rank);
 // Writes a checkpoint of `target` and `state` to root/checkpoint_name(state.step), atomically
 // (temporary directory ".tmp.<name>.<pid>", files and directory fsync'ed, rename, root fsync'ed),
 // then deletes all but the newest `keep_last` checkpoints and any temporary left by a crashed save.
-// An existing checkpoint of the same step is replaced (briefly moved aside while the new one is
-// renamed in). Blocks until durable; returns the directory. Throws IOError naming the path and
+// An existing checkpoint of the same step is replaced by exchanging the two directories in one
+// rename (RENAME_EXCHANGE; where the file system cannot, it is moved aside first). Blocks until durable; returns the directory. Throws IOError naming the path and
 // the OS error; on failure the temporary is removed and existing checkpoints are untouched.
 // Call from one process only (rank 0): the checkpoint holds one replica of the model, plus
 // `other_ranks[i]` as rank i+1's replica (in rank_<i+1>/, inside the same atomic directory) when
@@ -93,6 +93,9 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
 std::vector<std::string> list_checkpoints(const std::string& root);
 // The newest complete checkpoint under `root` (`--resume auto`), or nullopt.
 std::optional<std::string> latest_checkpoint(const std::string& root);
+// The config the checkpoint in `dir` was saved with (trainer_state.json's "config"). Throws IOError
+// naming the file when it is missing or unreadable.
+nlohmann::json checkpoint_config(const std::string& dir);
 
 // Reads every file of the checkpoint in `dir`, checks it against `target` (every model tensor
 // name and shape, the optimizer's parameter count and state shapes, the masters), and only then

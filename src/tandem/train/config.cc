@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <numbers>
+#include <set>
 #include <sstream>
 
 #include <fmt/ranges.h>
@@ -90,7 +91,7 @@ const std::vector<Spec>& specs() {
       {"train.threads", Kind::Int, 1, 1024},
       {"amp.opt_level", Kind::Enum, 0, 0, {"", "O0", "O1", "O2", "O3"}},
       {"dist.backend", Kind::Enum, 0, 0, {"shm", "gloo", "mpi", "nccl"}},
-      {"dist.timeout_s", Kind::Number, 0.001, kInf},
+      {"dist.timeout_s", Kind::Number, 0.001, 1e6},  // at most 11.6 days: deadlines in ms must not overflow
       {"ddp.bucket_cap_mb", Kind::Number, 1e-6, kInf},
       {"ddp.broadcast_buffers", Kind::Bool},
       {"ddp.find_unused_parameters", Kind::Bool},
@@ -182,6 +183,10 @@ std::string suggestion(const std::string& parent, const std::string& key) {
   return best;  // nothing close: still name the nearest sibling
 }
 
+// The largest integer a config holds: JSON numbers are doubles, exact up to 2^53 (and a larger
+// one would overflow int64 when converted, or mean nothing as a count).
+constexpr double kMaxInt = 9007199254740992.0;
+
 std::string kind_text(const Spec& s) {
   const auto range = [&](const char* what) {
     std::string t = what;
@@ -226,6 +231,9 @@ void check_value(const std::string& path, const json& v, const Spec& s) {
       if (!is_integer(v)) bad_value(path, v, s);
       const double d = v.get<double>();
       if (d < s.min || d > s.max) bad_value(path, v, s);
+      if (d > kMaxInt) {
+        throw ValueError(fmt::format("config: \"{}\" is {}, expected {} and at most 2^53", path, v.dump(), kind_text(s)));
+      }
       return;
     }
     case Kind::Number: {
@@ -248,7 +256,7 @@ void check_value(const std::string& path, const json& v, const Spec& s) {
     case Kind::IntList:
       if (!v.is_array() || v.empty()) bad_value(path, v, s);
       for (const json& e : v) {
-        if (!is_integer(e) || e.get<double>() < 1) bad_value(path, v, s);
+        if (!is_integer(e) || e.get<double>() < 1 || e.get<double>() > kMaxInt) bad_value(path, v, s);
       }
       return;
     case Kind::IntPairs:
@@ -256,7 +264,7 @@ void check_value(const std::string& path, const json& v, const Spec& s) {
       for (const json& e : v) {
         if (!e.is_array() || e.size() != 2) bad_value(path, v, s);
         for (const json& x : e)
-          if (!is_integer(x) || x.get<double>() < 1) bad_value(path, v, s);
+          if (!is_integer(x) || x.get<double>() < 1 || x.get<double>() > kMaxInt) bad_value(path, v, s);
       }
       return;
     case Kind::Betas:
@@ -771,8 +779,43 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
                  err != 0 ? std::strerror(err) : "open failed");
     std::stringstream ss;
     ss << f.rdbuf();
+    // A key given twice in one object: nlohmann keeps the last silently, which hides a typo'd
+    // edit (two "train_batch_size" lines, the first one edited); refused, naming it.
+    std::vector<std::set<std::string>> keys_seen;
+    std::vector<std::string> object_path;
+    std::string pending_key;
+    const json::parser_callback_t on_event = [&](int, json::parse_event_t event, json& parsed) {
+      switch (event) {
+        case json::parse_event_t::object_start:
+          keys_seen.emplace_back();
+          object_path.push_back(pending_key);
+          break;
+        case json::parse_event_t::object_end:
+          keys_seen.pop_back();
+          object_path.pop_back();
+          break;
+        case json::parse_event_t::key: {
+          const std::string key = parsed.get<std::string>();
+          if (!keys_seen.back().insert(key).second) {
+            std::string where;
+            for (const std::string& part : object_path) {
+              if (!part.empty()) where += part + ".";
+            }
+            throw ValueError(fmt::format("config: \"{}\" gives \"{}{}\" twice; keep one", path, where, key));
+          }
+          pending_key = key;
+          break;
+        }
+        case json::parse_event_t::array_start:
+          pending_key.clear();
+          break;
+        default:
+          break;
+      }
+      return true;
+    };
     try {
-      j = json::parse(ss.str(), nullptr, true, /*ignore_comments=*/true);
+      j = json::parse(ss.str(), on_event, true, /*ignore_comments=*/true);
     } catch (const json::parse_error& e) {
       throw IOError(fmt::format("config: \"{}\" is not valid JSON: {}", path, e.what()));
     }

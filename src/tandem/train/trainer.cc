@@ -415,6 +415,63 @@ void check_same_data(dist::ProcessGroup& pg, const Config& cfg, const Data& data
 // that resolves --resume auto in another directory (a node-local --out) or gets another --resume
 // DIR would otherwise train other steps than the others, with other optimizer state, and fail with
 // a collective mismatch only at the end. Every rank throws the same error naming both starts.
+// Keys a resumed run must keep: those that decide what the checkpoint's state means (the model,
+// the optimizer and its schedule, the precision and loss scaling, the data order: seed, dataset,
+// epoch length). A change there would be ignored (the checkpoint's optimizer options and scaler
+// state win) or continue another computation without a word. The rest may change: how long the
+// run goes, how it saves, logs and evaluates, how the global batch is formed (world size,
+// micro-batch, accumulation; the position in the data is kept by sample), and how DDP
+// communicates (post-local SGD may hand over to plain averaging, say).
+bool must_match_on_resume(const std::string& key) {
+  static const std::vector<std::string> prefixes = {"optimizer.", "scheduler.", "fp16.", "model."};
+  static const std::vector<std::string> keys = {"seed", "bf16.enabled", "amp.opt_level", "data.name",
+                                                "data.samples_per_epoch", "data.drop_last", "gradient_clipping",
+                                                "zero_optimization.stage"};
+  if (key == "scheduler.params.total_num_steps") return false;  // follows train.steps
+  for (const std::string& p : prefixes) {
+    if (key.rfind(p, 0) == 0) return true;
+  }
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
+// Why this run cannot start as asked, or "": a fresh run into an --out whose checkpoints belong
+// to an earlier run (its own would be mixed with them, and keep_last would delete the newer run's
+// lower-numbered steps as the older ones), or a resume whose config differs from the
+// checkpoint's where it matters (a silent change of seed, batch or optimizer continues another
+// computation than the one saved).
+std::string start_problem(const Config& cfg, const TrainerOptions& opts, const std::string& ckpt_root) {
+  if (opts.resume.empty()) {
+    const std::vector<std::string> existing = list_checkpoints(ckpt_root);
+    if (existing.empty()) return {};
+    return fmt::format(
+        "train: {} already holds checkpoints of an earlier run (newest: {}); a new run there would mix its "
+        "checkpoints with them (and keep_last could delete its own). Continue that run with --resume auto, or give "
+        "this one another --out (or remove the old checkpoints)",
+        ckpt_root, existing.back());
+  }
+  std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
+  if (!dir) return {};
+  const nlohmann::json saved = checkpoint_config(*dir);
+  const std::vector<std::string> before = shared_config_lines(saved), now = shared_config_lines(cfg.source);
+  for (size_t i = 0; i < before.size() && i < now.size(); ++i) {
+    if (before[i] == now[i]) continue;
+    const size_t eq = before[i].find(" = ");
+    const std::string key = before[i].substr(0, eq);
+    if (!must_match_on_resume(key)) continue;
+    auto value = [&](const std::string& line) {
+      const std::string v = line.substr(line.find(" = ") + 3);
+      return v == "unset" ? std::string("unset (the default)") : v;
+    };
+    return fmt::format(
+        "train: resuming from {}: \"{}\" is {} in its config but {} now. A resumed run continues the saved "
+        "computation: the model, optimizer, schedule, precision, seed and dataset must stay (run length, saving, "
+        "logging, the batch split and DDP's communication may change); resume with the run's own values (its "
+        "trainer_state.json holds its config), or start a new run with another --out",
+        *dir, key, value(before[i]), value(now[i]));
+  }
+  return {};
+}
+
 void check_same_start(dist::ProcessGroup& pg, const std::string& resumed_from, int64_t step) {
   const auto all = dist::all_gather_i64(pg, {resumed_from.empty() ? -1 : step});
   const std::vector<int> differ = dist::ranks_unlike_rank0(all, {0});
@@ -568,6 +625,12 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   const CheckpointTarget target{model.get(), opt.get(), prec.amp.get()};
   int64_t step = 0, skipped = 0;
   std::string resumed_from;
+  {
+    // Rank 0's verdict on how this run starts, the same error on every rank.
+    std::string problem = main_rank ? start_problem(cfg, opts, ckpt_root) : std::string();
+    if (pg && pg->size() > 1) problem = dist::broadcast_string(*pg, problem, 0);
+    if (!problem.empty()) throw ValueError(problem);
+  }
   if (!opts.resume.empty()) {
     std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
     if (dir) {
