@@ -52,8 +52,8 @@ class UsageError : public ValueError {
 constexpr const char* kUsage = R"(usage: tandem run [options] PROGRAM [ARGS...]
 
 Starts --nproc-per-node copies of PROGRAM on this node with torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-TORCHELASTIC_RESTART_COUNT) plus TANDEM_STORE_TOKEN, TANDEM_STORE_HOSTED=1 and
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_NAME, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID) plus TANDEM_STORE_TOKEN, TANDEM_STORE_HOSTED=1 and
 TANDEM_NUM_THREADS/OMP_NUM_THREADS (kept when already set), and hosts the rendezvous store.
 Output lines are prefixed "[rank<N>]: "; workers read stdin from /dev/null and get SIGKILL if
 the launcher dies. When a worker fails the others are stopped, the failure is reported with the
@@ -65,7 +65,11 @@ options (torchrun's underscore spellings and --opt=value also work):
   --node-rank R          this node, 0..M-1; node 0 hosts the store [0]
   --master-addr A        host of node 0's store [127.0.0.1]
   --master-port P        port of node 0's store [29500; on one node a free port unless given]
-  --rdzv-endpoint A:P    same as --master-addr A --master-port P
+  --rdzv-endpoint A:P    same as --master-addr A --master-port P ([IPv6]:P too)
+  --rdzv-backend c10d    accepted (c10d, static): the rendezvous is node 0's store either way
+  --rdzv-id ID           TORCHELASTIC_RUN_ID for the workers [none]
+  --role NAME            ROLE_NAME for the workers [default]
+  --local-addr A         accepted for torchrun; not needed
   --standalone           one node, store on a free port on 127.0.0.1 (ignores --master-port)
   --max-restarts K       restart the whole group up to K times after a failure [0]
   --log-dir D            write D/attempt_<k>/<rank>/{stdout,stderr}.log instead of the console
@@ -98,8 +102,16 @@ struct RunOptions {
   double rdzv_timeout_s = 900.0;
   double heartbeat_timeout_s = 30.0;
   double monitor_interval_s = 0.1;
+  std::string rdzv_id = "none";      // --rdzv-id: TORCHELASTIC_RUN_ID
+  std::string role = "default";      // --role: ROLE_NAME
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
+
+// "[::1]" -> "::1": torchrun's bracketed IPv6 hosts (getaddrinfo wants the bare address).
+std::string unbracket(const std::string& host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') return host.substr(1, host.size() - 2);
+  return host;
+}
 
 // ---- argument parsing ----
 
@@ -156,7 +168,8 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
   // Flags that take a value, and those that do not (canonical dashed spellings).
   static const std::vector<std::string> kValued = {
       "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
-      "--max-restarts", "--log-dir", "--stop-grace", "--rdzv-timeout", "--heartbeat-timeout", "--monitor-interval"};
+      "--max-restarts", "--log-dir", "--stop-grace", "--rdzv-timeout", "--heartbeat-timeout", "--monitor-interval",
+      "--rdzv-backend", "--rdzv-id", "--role", "--local-addr", "--module"};
   static const std::vector<std::string> kSwitches = {"--standalone", "--no-bind", "--no-python", "--tee", "--help"};
   int i = 1;
   for (; i < argc; ++i) {
@@ -167,6 +180,7 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
     }
     if (arg.size() < 2 || arg[0] != '-') break;  // PROGRAM
     if (arg == "-h") arg = "--help";
+    if (arg == "-m") arg = "--module";
     std::string name = arg, value;
     bool has_value = false;
     if (size_t eq = arg.find('='); eq != std::string::npos) {
@@ -228,19 +242,37 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
       o.node_rank = parse_int(name, value, 0, 1 << 20, "a node rank >= 0");
     } else if (name == "--master-addr") {
       if (value.empty()) throw UsageError("tandem run: --master-addr is empty; give node 0's host name or address");
-      o.master_addr = value;
+      o.master_addr = unbracket(value);
     } else if (name == "--master-port") {
       o.master_port = parse_int(name, value, 0, 65535, "a TCP port");
       port_given = true;
     } else if (name == "--rdzv-endpoint") {
       size_t colon = value.rfind(':');
-      o.master_addr = value.substr(0, colon);
+      if (!value.empty() && value.front() == '[' && (colon == std::string::npos || colon < value.find(']'))) colon = std::string::npos;
+      o.master_addr = unbracket(value.substr(0, colon));
       if (o.master_addr.empty())
         throw UsageError(fmt::format("tandem run: --rdzv-endpoint \"{}\" has no host; write HOST:PORT", value));
       if (colon != std::string::npos) {
         o.master_port = parse_int(name, value.substr(colon + 1), 0, 65535, "HOST:PORT with a TCP port");
         port_given = true;
       }
+    } else if (name == "--rdzv-backend") {
+      // One rendezvous here: node 0's store (torchrun's static and c10d backends both end there).
+      if (value != "c10d" && value != "static") {
+        throw UsageError(fmt::format(
+            "tandem run: --rdzv-backend \"{}\" is not supported; tandem run's rendezvous is node 0's TCP store, "
+            "torchrun's c10d (or static): drop the option or write --rdzv-backend c10d", value));
+      }
+    } else if (name == "--rdzv-id") {
+      o.rdzv_id = value;
+    } else if (name == "--role") {
+      o.role = value;
+    } else if (name == "--local-addr") {
+      // torchrun uses it to name this node in the c10d rendezvous; node 0's store needs no name.
+    } else if (name == "--module") {
+      throw UsageError(fmt::format(
+          "tandem run: -m/--module runs a Python module under torchrun; tandem run starts executables: give the "
+          "program's path (e.g. build/tools/tandem train ...) instead of -m {}", value));
     } else if (name == "--max-restarts") {
       o.max_restarts = parse_int(name, value, 0, 1 << 20, "a restart count >= 0");
     } else if (name == "--log-dir") {
@@ -382,6 +414,8 @@ std::vector<WorkerSpec> make_workers(const RunOptions& o, const JobInfo& job, in
     env["MASTER_PORT"] = std::to_string(job.port);
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o.max_restarts);
+    env["TORCHELASTIC_RUN_ID"] = o.rdzv_id;
+    env["ROLE_NAME"] = o.role;
     env["TANDEM_STORE_TOKEN"] = job.token;
     env["TANDEM_STORE_HOSTED"] = "1";
     // An explicit setting of the user wins (as torchrun keeps OMP_NUM_THREADS).

@@ -57,7 +57,7 @@ int run_step(const std::string& step, long rank, long attempt) {
   }
   if (verb == "env") {
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                          "MASTER_PORT", "TANDEM_STORE_TOKEN", "TANDEM_STORE_HOSTED", "TORCHELASTIC_RESTART_COUNT",
+                          "MASTER_PORT", "TANDEM_STORE_TOKEN", "TANDEM_STORE_HOSTED", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "ROLE_NAME",
                           "TANDEM_NUM_THREADS", "OMP_NUM_THREADS"}) {
       put(1, "env " + std::string(v) + "=" + env_or(v, "<unset>") + "\n");
     }

@@ -164,6 +164,25 @@ TEST(Run, KeepsThreadCountsTheUserSet) {
   EXPECT_EQ(env[1]["OMP_NUM_THREADS"], "5");
 }
 
+// torchrun's rendezvous flags as launch scripts pass them: --rdzv-backend c10d, --rdzv-id,
+// --role, --local-addr are accepted (they used to be "unknown option"), the workers get
+// TORCHELASTIC_RUN_ID and ROLE_NAME, and a bracketed IPv6 endpoint reaches them as a bare address
+// (MASTER_ADDR=[::1] could not be resolved).
+TEST(Run, TorchrunRendezvousFlagsAreAcceptedAndSetTheirVariables) {
+  ProcResult r = run_process(cmd({"--nproc-per-node", "2", "--rdzv-backend=c10d", "--rdzv-id", "job7", "--role", "trainer",
+                                  "--local-addr", "127.0.0.1", "--rdzv-endpoint", "[::1]:" + std::to_string(free_port())},
+                                 {"env"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto env = worker_env(r.out);
+  ASSERT_EQ(env.size(), 2u);
+  for (auto& [rank, vars] : env) {
+    EXPECT_EQ(vars["TORCHELASTIC_RUN_ID"], "job7") << rank;
+    EXPECT_EQ(vars["ROLE_NAME"], "trainer") << rank;
+    EXPECT_EQ(vars["MASTER_ADDR"], "::1") << rank;
+  }
+}
+
 TEST(Run, UnderscoreAndEqualsSpellingsAsTorchrunAccepts) {
   ProcResult r = run_process(cmd({"--standalone", "--nproc_per_node=2", "--max_restarts", "0"}, {"env"}),
                              launcher_env());
@@ -453,7 +472,9 @@ INSTANTIATE_TEST_SUITE_P(
                       BadArgs{{"--nnodes", "1:4", "PROBE"}, "elastic node ranges are not supported"},
                       BadArgs{{"--nnodes", "2", "PROBE"}, "needs the same TANDEM_STORE_TOKEN"},
                       BadArgs{{"--standalone", "./no-such-program"}, "\"./no-such-program\" is not an executable"},
-                      BadArgs{{"--standalone", "no-such-program-on-path"}, "was not found on PATH"}));
+                      BadArgs{{"--standalone", "no-such-program-on-path"}, "was not found on PATH"},
+                      BadArgs{{"--rdzv-backend", "etcd", "PROBE"}, "--rdzv-backend \"etcd\" is not supported"},
+                      BadArgs{{"-m", "train_module"}, "-m/--module runs a Python module under torchrun"}));
 
 // ---- two nodes on one machine ----
 
