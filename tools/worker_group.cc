@@ -85,6 +85,7 @@ struct Worker {
   const WorkerSpec* spec = nullptr;
   pid_t pid = -1;
   bool alive = false;
+  bool lingers = false;  // reaped, but its process group still had members then
   WorkerExit exit;
   std::string prefix;  // "[rank3]: "
   Stream out, err;
@@ -240,12 +241,16 @@ pid_t spawn(const GroupConfig& config, const WorkerSpec& spec, int out_w, int er
 }
 
 // The worker's process group, else (not yet made) the process. The group also once the worker
-// itself has exited: what it started (data-loader processes, a background job) must not outlive
-// a stopped attempt, holding memory or ports (torchrun signals only the groups of workers still
-// running).
+// itself has exited, when processes it started were left in it at that moment (`lingers`: a
+// group with members keeps its id from reuse): they must not outlive a stopped attempt, holding
+// memory or ports (torchrun signals only the groups of workers still running).
 void signal_worker(const Worker& w, int sig) {
   if (w.pid <= 0) return;  // never started: -0 would be our own group
-  if (kill(-w.pid, sig) != 0 && w.alive) kill(w.pid, sig);
+  if (w.alive) {
+    if (kill(-w.pid, sig) != 0) kill(w.pid, sig);
+  } else if (w.lingers) {
+    kill(-w.pid, sig);
+  }
 }
 
 }  // namespace
@@ -304,6 +309,7 @@ AttemptResult run_worker_group(const GroupConfig& config, SignalPipe& signals,
   const size_t tail_lines = config.stderr_tail_lines;
   const bool console = config.log_dir.empty() || config.tee;
   std::vector<std::unique_ptr<Worker>> workers;
+  bool stopping = false;
   auto cleanup = [&]() noexcept {
     for (auto& w : workers) {
       if (w->alive) {
@@ -311,6 +317,8 @@ AttemptResult run_worker_group(const GroupConfig& config, SignalPipe& signals,
         int status = 0;
         waitpid(w->pid, &status, 0);  // bounded: SIGKILL cannot be caught
         w->alive = false;
+      } else if (stopping) {
+        signal_worker(*w, SIGKILL);  // what an exited worker left behind, if it outlived SIGTERM
       }
       for (Stream* s : {&w->out, &w->err}) {
         if (s->fd >= 0) close(s->fd);
@@ -378,7 +386,7 @@ AttemptResult run_worker_group(const GroupConfig& config, SignalPipe& signals,
 
   // ---- monitor ----
   AttemptResult result;
-  bool stopping = false, killed = false;
+  bool killed = false;
   Clock::time_point kill_deadline{}, drain_deadline{}, next_remote_check = Clock::now();
   bool all_reaped = false;
   auto begin_stop = [&](int sig) {
@@ -437,6 +445,7 @@ AttemptResult run_worker_group(const GroupConfig& config, SignalPipe& signals,
       pid_t r = waitpid(w->pid, &status, WNOHANG);
       if (r == 0 || (r < 0 && errno == EINTR)) continue;
       w->alive = false;
+      w->lingers = kill(-w->pid, 0) == 0;
       if (r < 0) {  // not our child any more (cannot happen unless someone reaped it): count it failed
         w->exit.signaled = false;
         w->exit.code = 255;

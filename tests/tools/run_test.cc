@@ -316,7 +316,7 @@ TEST(Run, AStoppedAttemptAlsoStopsWhatAnExitedWorkerLeftRunning) {
   long pid = 0;
   ASSERT_TRUE(f >> pid) << "rank 0 did not start its background process";
   bool gone = false;
-  for (int i = 0; i < 100 && !gone; ++i) {  // SIGTERM, then the grace period's SIGKILL: at most ~5 s
+  for (int i = 0; i < 100 && !gone; ++i) {  // SIGTERM when the attempt stops (SIGKILL at its end)
     std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
     std::string line;
     gone = !std::getline(stat, line) || line.find(") Z ") != std::string::npos;

@@ -274,7 +274,10 @@ TEST(Trainer, ResumeWithAnotherSeedOrOptimizerIsRefusedNamingTheKey) {
       EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
     }
   }
+  // Values are compared as resolved: a default now given explicitly is no change.
   j["train"]["steps"] = 3;
+  j["data"]["drop_last"] = false;
+  j["optimizer"]["params"]["betas"] = json::array({0.9, 0.999});
   const TrainSummary s = run_training(make(j), {.out_dir = dir.path(), .resume = "auto", .out = devnull});
   EXPECT_EQ(s.steps, 3);
   std::fclose(devnull);

@@ -228,11 +228,13 @@ class MpiGroup final : public ProcessGroup {
     MpiRuntime& rt = MpiRuntime::get();
     create_communicator(rt);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-    half_wire_ = half_wire();
-    // Rank 0's environment decides whether calls are exchanged before collectives (all must agree).
-    int32_t check = collective_check_wanted() ? 1 : 0;
-    check_rc("MPI_Bcast", MPI_Bcast(&check, 1, MPI_INT32_T, 0, comm_));
-    check_calls_ = check != 0;
+    // Rank 0's environment decides for the group what changes which MPI calls a collective makes
+    // (ranks whose settings differed would run different calls undetected): the 16-bit wire
+    // (TANDEM_MPI_HALF_WIRE) and the exchange of calls before collectives (TANDEM_COLLECTIVE_CHECK).
+    int32_t choices[2] = {half_wire() ? 1 : 0, collective_check_wanted() ? 1 : 0};
+    check_rc("MPI_Bcast", MPI_Bcast(choices, 2, MPI_INT32_T, 0, comm_));
+    half_wire_ = choices[0] != 0;
+    check_calls_ = choices[1] != 0;
     rt.add(this);
     progress_ = std::thread([this, lifeline = lifeline_] { progress_loop(lifeline); });
     watchdog_ = std::thread([this] { watchdog_loop(); });
@@ -811,7 +813,19 @@ class MpiGroup final : public ProcessGroup {
       lock.lock();
       // The diagnosis takes up to 5 s without the lock: the collective may have completed
       // meanwhile (and the next one started), and then there is nothing to fail.
-      if (stopped_ || running_id_ != id || running_ == nullptr) continue;
+      if (stopped_ || running_id_ != id || running_ == nullptr) {
+        // Withdraw what the diagnosis published, or a later diagnosis of a peer reads it as where
+        // this rank is stuck.
+        if (store_) {
+          lock.unlock();
+          try {
+            store_->delete_key(fmt::format("mpi/desync/{}", rank()));
+          } catch (...) {
+          }
+          lock.lock();
+        }
+        continue;
+      }
       broken_ = true;
       broken_reason_ = reason;
       std::deque<Task> dropped;

@@ -234,6 +234,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
   const std::string final_dir = root + "/" + name;
   const std::string tmp = fmt::format("{}/.tmp.{}.{}", root, name, ::getpid());
   fs::remove_all(tmp, ec);
+  bool exchanged = false;
   fs::create_directory(tmp, ec);
   TANDEM_CHECK(!ec, IOError, "checkpoint: cannot create {}: {}", tmp, ec.message());
   try {
@@ -263,6 +264,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
       // exchange, move it aside first (a crash in between leaves it under .old.*).
       if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
         aside = tmp;
+        exchanged = true;  // tmp holds the old checkpoint now: a failure below leaves it to the sweep
       } else {
         aside = fmt::format("{}/.old.{}.{}", root, name, ::getpid());
         fs::remove_all(aside, ec);
@@ -277,7 +279,7 @@ std::string save_checkpoint(const std::string& root, const CheckpointTarget& tar
     fsync_path(root, true);
     if (!aside.empty()) fs::remove_all(aside, ec);
   } catch (...) {
-    fs::remove_all(tmp, ec);
+    if (!exchanged) fs::remove_all(tmp, ec);
     throw;
   }
   // ---- retention: newest keep_last, and no leftovers of crashed saves ----

@@ -789,10 +789,20 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
         case json::parse_event_t::object_start:
           keys_seen.emplace_back();
           object_path.push_back(pending_key);
+          pending_key.clear();
           break;
         case json::parse_event_t::object_end:
           keys_seen.pop_back();
           object_path.pop_back();
+          pending_key.clear();
+          break;
+        case json::parse_event_t::array_start:
+          object_path.push_back(pending_key);
+          pending_key.clear();
+          break;
+        case json::parse_event_t::array_end:
+          object_path.pop_back();
+          pending_key.clear();
           break;
         case json::parse_event_t::key: {
           const std::string key = parsed.get<std::string>();
@@ -806,9 +816,6 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
           pending_key = key;
           break;
         }
-        case json::parse_event_t::array_start:
-          pending_key.clear();
-          break;
         default:
           break;
       }

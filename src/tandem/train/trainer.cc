@@ -411,34 +411,63 @@ void check_same_data(dist::ProcessGroup& pg, const Config& cfg, const Data& data
   }
 }
 
-// Collective: every rank must start from the same step (the same checkpoint, or none): a rank
-// that resolves --resume auto in another directory (a node-local --out) or gets another --resume
-// DIR would otherwise train other steps than the others, with other optimizer state, and fail with
-// a collective mismatch only at the end. Every rank throws the same error naming both starts.
-// Keys a resumed run must keep: those that decide what the checkpoint's state means (the model,
-// the optimizer and its schedule, the precision and loss scaling, the data order: seed, dataset,
-// epoch length). A change there would be ignored (the checkpoint's optimizer options and scaler
-// state win) or continue another computation without a word. The rest may change: how long the
-// run goes, how it saves, logs and evaluates, how the global batch is formed (world size,
+// What a resumed run must keep, as resolved values (a key left out and its default given
+// explicitly are the same): what decides the meaning of the checkpoint's state -- the model, the
+// optimizer and its schedule, precision and loss scaling, the data order (seed, dataset, epoch
+// length), clipping. A change there would be ignored (the checkpoint's optimizer options and
+// scaler state win) or continue another computation without a word. The rest may change: how long
+// the run goes, how it saves, logs and evaluates, how the global batch is formed (world size,
 // micro-batch, accumulation; the position in the data is kept by sample), and how DDP
 // communicates (post-local SGD may hand over to plain averaging, say).
-bool must_match_on_resume(const std::string& key) {
-  static const std::vector<std::string> prefixes = {"optimizer.", "scheduler.", "fp16.", "model."};
-  static const std::vector<std::string> keys = {"seed", "bf16.enabled", "amp.opt_level", "data.name",
-                                                "data.samples_per_epoch", "data.drop_last", "gradient_clipping",
-                                                "zero_optimization.stage"};
-  if (key == "scheduler.params.total_num_steps") return false;  // follows train.steps
-  for (const std::string& p : prefixes) {
-    if (key.rfind(p, 0) == 0) return true;
-  }
-  return std::find(keys.begin(), keys.end(), key) != keys.end();
+std::vector<std::pair<std::string, std::string>> resume_invariants(const Config& c) {
+  const OptimizerConfig& o = c.optimizer;
+  const SchedulerConfig& s = c.scheduler;
+  const Fp16Config& f = c.fp16;
+  const ModelConfig& m = c.model;
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  auto n = [](double v) { return fmt::format("{}", v); };
+  auto q = [](const std::string& v) { return "\"" + v + "\""; };
+  return {{"seed", std::to_string(c.seed)},
+          {"model.name", q(m.name)},
+          {"model.hidden", fmt::format("[{}]", fmt::join(m.hidden, ", "))},
+          {"model.num_classes", std::to_string(m.num_classes)},
+          {"model.vocab_size", std::to_string(m.vocab_size)},
+          {"model.context", std::to_string(m.context)},
+          {"model.n_layer", std::to_string(m.n_layer)},
+          {"model.d_model", std::to_string(m.d_model)},
+          {"model.n_head", std::to_string(m.n_head)},
+          {"data.name", q(c.data.name)},
+          {"data.samples_per_epoch", std::to_string(c.data.samples_per_epoch)},
+          {"data.drop_last", b(c.data.drop_last)},
+          {"optimizer.type", q(o.type)},
+          {"optimizer.params.lr", n(o.lr)},
+          {"optimizer.params.betas", fmt::format("[{}, {}]", o.betas[0], o.betas[1])},
+          {"optimizer.params.eps", n(o.eps)},
+          {"optimizer.params.weight_decay", n(o.weight_decay)},
+          {"optimizer.params.momentum", n(o.momentum)},
+          {"optimizer.params.nesterov", b(o.nesterov)},
+          {"scheduler.type", q(s.type)},
+          {"scheduler.params.warmup_min_lr", n(s.warmup_min_lr)},
+          {"scheduler.params.warmup_max_lr", n(s.warmup_max_lr)},
+          {"scheduler.params.warmup_num_steps", std::to_string(s.warmup_num_steps)},
+          {"scheduler.params.warmup_type", q(s.warmup_type)},
+          {"scheduler.params.warmup_min_ratio", n(s.warmup_min_ratio)},
+          {"scheduler.params.cos_min_ratio", n(s.cos_min_ratio)},
+          {"fp16.enabled", b(f.enabled)},
+          {"fp16.loss_scale", n(f.loss_scale)},
+          {"fp16.initial_scale_power", std::to_string(f.initial_scale_power)},
+          {"fp16.loss_scale_window", std::to_string(f.loss_scale_window)},
+          {"fp16.hysteresis", std::to_string(f.hysteresis)},
+          {"fp16.min_loss_scale", n(f.min_loss_scale)},
+          {"bf16.enabled", b(c.bf16)},
+          {"amp.opt_level", q(c.opt_level)},
+          {"gradient_clipping", n(c.gradient_clipping)},
+          {"zero_optimization.stage", std::to_string(c.zero_stage)}};
 }
 
 // Why this run cannot start as asked, or "": a fresh run into an --out whose checkpoints belong
 // to an earlier run (its own would be mixed with them, and keep_last would delete the newer run's
-// lower-numbered steps as the older ones), or a resume whose config differs from the
-// checkpoint's where it matters (a silent change of seed, batch or optimizer continues another
-// computation than the one saved).
+// lower-numbered steps as the older ones), or a resume that changes a resume invariant.
 std::string start_problem(const Config& cfg, const TrainerOptions& opts, const std::string& ckpt_root) {
   if (opts.resume.empty()) {
     const std::vector<std::string> existing = list_checkpoints(ckpt_root);
@@ -451,27 +480,37 @@ std::string start_problem(const Config& cfg, const TrainerOptions& opts, const s
   }
   std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
   if (!dir) return {};
-  const nlohmann::json saved = checkpoint_config(*dir);
-  const std::vector<std::string> before = shared_config_lines(saved), now = shared_config_lines(cfg.source);
-  for (size_t i = 0; i < before.size() && i < now.size(); ++i) {
-    if (before[i] == now[i]) continue;
-    const size_t eq = before[i].find(" = ");
-    const std::string key = before[i].substr(0, eq);
-    if (!must_match_on_resume(key)) continue;
-    auto value = [&](const std::string& line) {
-      const std::string v = line.substr(line.find(" = ") + 3);
-      return v == "unset" ? std::string("unset (the default)") : v;
-    };
+  // The saved config resolved as this run resolves its own (the batch split may change: it is
+  // taken from this run, so that another world size resolves).
+  nlohmann::json saved = checkpoint_config(*dir);
+  for (const char* k : {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}) saved.erase(k);
+  saved["train_batch_size"] = cfg.train_batch_size;
+  saved["train_micro_batch_size_per_gpu"] = cfg.train_micro_batch_size_per_gpu;
+  Config before;
+  try {
+    before = parse_config(saved, cfg.world_size);
+  } catch (const std::exception& e) {
+    return fmt::format("train: resuming from {}: its config no longer parses ({}); resume it with the version that "
+                       "wrote it, or start a new run with another --out",
+                       *dir, e.what());
+  }
+  const auto was = resume_invariants(before), now = resume_invariants(cfg);
+  for (size_t i = 0; i < was.size(); ++i) {
+    if (was[i].second == now[i].second) continue;
     return fmt::format(
         "train: resuming from {}: \"{}\" is {} in its config but {} now. A resumed run continues the saved "
         "computation: the model, optimizer, schedule, precision, seed and dataset must stay (run length, saving, "
         "logging, the batch split and DDP's communication may change); resume with the run's own values (its "
         "trainer_state.json holds its config), or start a new run with another --out",
-        *dir, key, value(before[i]), value(now[i]));
+        *dir, was[i].first, was[i].second, now[i].second);
   }
   return {};
 }
 
+// Collective: every rank must start from the same step (the same checkpoint, or none): a rank
+// that resolves --resume auto in another directory (a node-local --out) or gets another --resume
+// DIR would otherwise train other steps than the others, with other optimizer state, and fail with
+// a collective mismatch only at the end. Every rank throws the same error naming both starts.
 void check_same_start(dist::ProcessGroup& pg, const std::string& resumed_from, int64_t step) {
   const auto all = dist::all_gather_i64(pg, {resumed_from.empty() ? -1 : step});
   const std::vector<int> differ = dist::ranks_unlike_rank0(all, {0});
@@ -627,7 +666,14 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   std::string resumed_from;
   {
     // Rank 0's verdict on how this run starts, the same error on every rank.
-    std::string problem = main_rank ? start_problem(cfg, opts, ckpt_root) : std::string();
+    std::string problem;
+    if (main_rank) {
+      try {
+        problem = start_problem(cfg, opts, ckpt_root);
+      } catch (const std::exception& e) {  // an unreadable --resume DIR, say: every rank says so
+        problem = e.what();
+      }
+    }
     if (pg && pg->size() > 1) problem = dist::broadcast_string(*pg, problem, 0);
     if (!problem.empty()) throw ValueError(problem);
   }
