@@ -105,6 +105,25 @@ int run_mpi(bool large) {
   return 0;
 }
 
+// A TCPStore hosted by rank 0 of `world` (its port handed out over the world group), for the
+// desync diagnosis of a group made with it.
+std::shared_ptr<TCPStore> store_on_rank0(ProcessGroup& world, const char* token) {
+  TCPStoreOptions so;
+  so.timeout = std::chrono::seconds(30);
+  so.wait_for_workers = false;
+  so.token = token;
+  so.is_master = world.rank() == 0;
+  std::shared_ptr<TCPStore> store;
+  int32_t port = 0;
+  if (world.rank() == 0) {
+    store = std::make_shared<TCPStore>("127.0.0.1", 0, so);
+    port = store->port();
+  }
+  world.broadcast(Buffer{&port, 1, DType::i32, kCPU}, 0)->wait();
+  if (world.rank() != 0) store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(port), so);
+  return store;
+}
+
 // Desync: rank 1 skips an all_reduce and enters a barrier instead. Both must fail with Timeout
 // within the group's 2 s timeout, and each error must name what the other rank is doing.
 int run_desync() {
@@ -115,19 +134,7 @@ int run_desync() {
     return 2;
   }
   auto world = make_mpi_group(nullptr, rank, size, {});
-  TCPStoreOptions so;
-  so.timeout = std::chrono::seconds(30);
-  so.wait_for_workers = false;
-  so.token = "mpi-desync";
-  so.is_master = rank == 0;
-  std::shared_ptr<TCPStore> store;
-  int32_t port = 0;
-  if (rank == 0) {
-    store = std::make_shared<TCPStore>("127.0.0.1", 0, so);
-    port = store->port();
-  }
-  world->broadcast(Buffer{&port, 1, DType::i32, kCPU}, 0)->wait();
-  if (rank != 0) store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(port), so);
+  std::shared_ptr<TCPStore> store = store_on_rank0(*world, "mpi-desync");
   ProcessGroupOptions pgo;
   pgo.timeout = std::chrono::seconds(2);
   auto pg = make_mpi_group(store, rank, size, pgo);
@@ -236,19 +243,7 @@ int run_late_arrival() {
     return 2;
   }
   auto world = make_mpi_group(nullptr, rank, size, {});
-  TCPStoreOptions so;
-  so.timeout = std::chrono::seconds(30);
-  so.wait_for_workers = false;
-  so.token = "mpi-late";
-  so.is_master = rank == 0;
-  std::shared_ptr<TCPStore> store;
-  int32_t port = 0;
-  if (rank == 0) {
-    store = std::make_shared<TCPStore>("127.0.0.1", 0, so);
-    port = store->port();
-  }
-  world->broadcast(Buffer{&port, 1, DType::i32, kCPU}, 0)->wait();
-  if (rank != 0) store = std::make_shared<TCPStore>("127.0.0.1", static_cast<uint16_t>(port), so);
+  std::shared_ptr<TCPStore> store = store_on_rank0(*world, "mpi-late");
   ProcessGroupOptions pgo;
   pgo.timeout = std::chrono::seconds(2);
   auto pg = make_mpi_group(store, rank, size, pgo);
