@@ -2,11 +2,15 @@
 // `tandem run` / mpirun / srun (the launch environment gives the world size). Only argument
 // parsing lives here; errors become a message and an exit code.
 #include <pthread.h>
+#include <unistd.h>
 #include <signal.h>
 
 #include <atomic>
+#include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -117,11 +121,12 @@ int train_main(int argc, char** argv) try {
       print_config = true;
     } else if (a == "--stop-after") {
       const std::string v = value();
-      try {
-        opts.stop_after = std::stoll(v);
-      } catch (const std::exception&) {
-        throw ValueError(fmt::format("tandem train: --stop-after \"{}\" is not an integer", v));
+      int64_t n = 0;
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+      if (ec != std::errc() || end != v.data() + v.size() || n < 1) {  // "2abc" was taken as 2
+        throw ValueError(fmt::format("tandem train: --stop-after \"{}\" is not a step number >= 1", v));
       }
+      opts.stop_after = n;
     } else {
       throw ValueError(fmt::format("tandem train: unknown argument \"{}\" (see `tandem train --help`)", a));
     }
@@ -134,13 +139,27 @@ int train_main(int argc, char** argv) try {
   }
   opts.out_dir = !out_dir.empty() ? out_dir : "runs/" + (config_path.empty() ? std::string("default") : stem(config_path));
   opts.stop_requested = &g_stop;
+  const bool writes_summary = !summary_path.empty() && std::max(0, env.rank) == 0;
+  if (writes_summary) {
+    // Before training, not after it: a path that cannot be written is an error now.
+    const std::filesystem::path p(summary_path);
+    const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
+    const bool exists = access(summary_path.c_str(), F_OK) == 0;
+    if ((exists && access(summary_path.c_str(), W_OK) != 0) || (!exists && access(dir.c_str(), W_OK) != 0)) {
+      throw IOError(fmt::format("tandem train: --summary-json {}: cannot write {}: {}", summary_path,
+                                exists ? summary_path : dir, std::strerror(errno)));
+    }
+  }
   const train::TrainSummary s = train::run_training(cfg, opts);
-  if (!summary_path.empty() && std::max(0, env.rank) == 0) {
+  if (writes_summary) {
     std::FILE* f = std::fopen(summary_path.c_str(), "w");
-    TANDEM_CHECK(f != nullptr, IOError, "tandem train: cannot write {}", summary_path);
+    TANDEM_CHECK(f != nullptr, IOError, "tandem train: cannot write {}: {}", summary_path, std::strerror(errno));
     const std::string text = s.to_json().dump(2) + "\n";
-    std::fwrite(text.data(), 1, text.size(), f);
-    std::fclose(f);
+    const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    const int err = written ? 0 : errno;
+    const bool closed = std::fclose(f) == 0;
+    TANDEM_CHECK(written && closed, IOError, "tandem train: writing {} failed: {}", summary_path,
+                 std::strerror(err != 0 ? err : errno));
   }
   // Stopped by a signal: the shell's code for it (130 SIGINT, 143 SIGTERM), after the checkpoint.
   if (s.interrupted && g_signal.load() != 0) return 128 + g_signal.load();

@@ -776,6 +776,17 @@ TEST(TrainCli, ArgumentAndConfigErrors) {
   EXPECT_NE(out.find("cannot read"), std::string::npos) << out;
   EXPECT_EQ(run(kCli + " train --config " + cfg + " --print-config --set seed=9", &out), 0) << out;
   EXPECT_EQ(json::parse(out)["seed"], 9);
+  // "2abc" was taken as 2.
+  EXPECT_NE(run(kCli + " train --config " + cfg + " --stop-after 2abc", &out), 0);
+  EXPECT_NE(out.find("--stop-after \"2abc\" is not a step number >= 1"), std::string::npos) << out;
+  // A --summary-json that cannot be written is an error before training, not after it (no run
+  // directory is made).
+  EXPECT_NE(run(kCli + " train --config " + cfg + " --out " + dir.path() + "/never --summary-json " + dir.path() +
+                    "/missing/dir/summary.json",
+                &out),
+            0);
+  EXPECT_NE(out.find("--summary-json " + dir.path() + "/missing/dir/summary.json: cannot write"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/never"));
 }
 
 }  // namespace

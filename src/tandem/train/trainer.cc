@@ -7,7 +7,9 @@
 #include <time.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <limits>
@@ -938,10 +940,13 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
     const std::string path = opts.out_dir + "/summary.json";
     {
       std::FILE* f = std::fopen((path + ".tmp").c_str(), "w");
-      TANDEM_CHECK(f != nullptr, IOError, "train: cannot write {}.tmp", path);
+      TANDEM_CHECK(f != nullptr, IOError, "train: cannot write {}.tmp: {}", path, std::strerror(errno));
       const std::string text = j.dump(2) + "\n";
-      std::fwrite(text.data(), 1, text.size(), f);
-      std::fclose(f);
+      const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+      const int err = written ? 0 : errno;
+      const bool closed = std::fclose(f) == 0;
+      TANDEM_CHECK(written && closed, IOError, "train: writing {}.tmp failed (disk full?): {}", path,
+                   std::strerror(err != 0 ? err : errno));
     }
     std::error_code ec;
     fs::rename(path + ".tmp", path, ec);
