@@ -20,7 +20,9 @@
 
 namespace tandem::dist {
 
-enum class CallOp : uint8_t { all_reduce, reduce, broadcast, all_gather, reduce_scatter, gather, scatter, all_to_all, barrier };
+enum class CallOp : uint8_t {
+  all_reduce, reduce, broadcast, all_gather, reduce_scatter, gather, scatter, all_to_all, barrier
+};
 
 struct CollectiveCall {
   CallOp op = CallOp::barrier;
@@ -30,8 +32,12 @@ struct CollectiveCall {
   int32_t root = 0;
   int64_t count = 0;  // the count every rank passes (gather: input, scatter: output, ...)
 
-  bool has_root() const { return op == CallOp::reduce || op == CallOp::broadcast || op == CallOp::gather || op == CallOp::scatter; }
-  bool has_redop() const { return op == CallOp::all_reduce || op == CallOp::reduce || op == CallOp::reduce_scatter; }
+  bool has_root() const {
+    return op == CallOp::reduce || op == CallOp::broadcast || op == CallOp::gather || op == CallOp::scatter;
+  }
+  bool has_redop() const {
+    return op == CallOp::all_reduce || op == CallOp::reduce || op == CallOp::reduce_scatter;
+  }
   bool same_as(const CollectiveCall& o) const {
     return op == o.op && (op == CallOp::barrier || (dtype == o.dtype && count == o.count)) &&
            (!has_root() || root == o.root) && (!has_redop() || redop == o.redop);

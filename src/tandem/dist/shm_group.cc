@@ -111,8 +111,9 @@ struct Desc {
   int64_t count = 0;
   uint64_t code = 0;  // kSlotCode, or an offset into the rank's heap
   // A hash of every collective this rank ran before this one (their calls as same_call compares
-  // them, count-0 ones included). A broadcast or scatter in which several ranks take themselves for the root reads no
-  // peer, so nothing compares it there; the next collective's comparison of histories catches it.
+  // them, count-0 ones included). A broadcast or scatter in which several ranks take themselves
+  // for the root reads no peer, so nothing compares it there; the next collective's comparison of
+  // histories catches it.
   uint64_t history = 0;
 
   bool same_call(const Desc& o) const {
