@@ -141,26 +141,17 @@ int train_main(int argc, char** argv) try {
   opts.stop_requested = &g_stop;
   const bool writes_summary = !summary_path.empty() && std::max(0, env.rank) == 0;
   if (writes_summary) {
-    // Before training, not after it: a path that cannot be written is an error now.
+    // Before training, not after it: a directory the summary cannot be written into (it goes
+    // through a temporary file there) is an error now.
     const std::filesystem::path p(summary_path);
     const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
-    const bool exists = access(summary_path.c_str(), F_OK) == 0;
-    if ((exists && access(summary_path.c_str(), W_OK) != 0) || (!exists && access(dir.c_str(), W_OK) != 0)) {
-      throw IOError(fmt::format("tandem train: --summary-json {}: cannot write {}: {}", summary_path,
-                                exists ? summary_path : dir, std::strerror(errno)));
+    if (access(dir.c_str(), W_OK) != 0) {
+      throw IOError(fmt::format("tandem train: --summary-json {}: cannot write {}: {}", summary_path, dir,
+                                std::strerror(errno)));
     }
   }
   const train::TrainSummary s = train::run_training(cfg, opts);
-  if (writes_summary) {
-    std::FILE* f = std::fopen(summary_path.c_str(), "w");
-    TANDEM_CHECK(f != nullptr, IOError, "tandem train: cannot write {}: {}", summary_path, std::strerror(errno));
-    const std::string text = s.to_json().dump(2) + "\n";
-    const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    const int err = written ? 0 : errno;
-    const bool closed = std::fclose(f) == 0;
-    TANDEM_CHECK(written && closed, IOError, "tandem train: writing {} failed: {}", summary_path,
-                 std::strerror(err != 0 ? err : errno));
-  }
+  if (writes_summary) train::write_text_atomically(summary_path, s.to_json().dump(2) + "\n");
   // Stopped by a signal: the shell's code for it (130 SIGINT, 143 SIGTERM), after the checkpoint.
   if (s.interrupted && g_signal.load() != 0) return 128 + g_signal.load();
   return 0;

@@ -40,7 +40,6 @@
 // hand-off); TANDEM_SHM_INLINE_BYTES=0 turns that off. Its Work is complete when returned and its
 // description is only built if someone asks (errors, Work::description()).
 #include <sched.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,6 +56,7 @@
 
 #include <fmt/ranges.h>
 
+#include "tandem/core/hash.h"
 #include "tandem/dist/backends.h"
 #include "tandem/dist/shm_kernels.h"
 #include "tandem/dist/shm_segment.h"
@@ -122,16 +122,10 @@ struct Desc {
   }
   // The history after this call: mixes in exactly what same_call compares.
   uint64_t history_after() const {
-    uint64_t x = static_cast<uint64_t>(op) + 1;
-    if (op != Op::barrier) x = x * 1000003u ^ static_cast<uint64_t>(dtype) ^ static_cast<uint64_t>(count) << 8;
-    if (has_root(op)) x = x * 1000003u ^ static_cast<uint64_t>(static_cast<uint32_t>(root));
-    if (has_redop(op)) x = x * 1000003u ^ static_cast<uint64_t>(redop);
-    uint64_t h = history ^ (x + 0x9e3779b97f4a7c15ull + (history << 6) + (history >> 2));
-    h ^= h >> 31;  // splitmix64's finalizer
-    h *= 0xbf58476d1ce4e5b9ull;
-    h ^= h >> 27;
-    h *= 0x94d049bb133111ebull;
-    return h ^ (h >> 31);
+    const int64_t fields[5] = {static_cast<int64_t>(op), op == Op::barrier ? -1 : static_cast<int64_t>(dtype),
+                               op == Op::barrier ? -1 : count, has_root(op) ? root : -1,
+                               has_redop(op) ? static_cast<int64_t>(redop) : -1};
+    return fnv1a(fields, sizeof(fields), history);
   }
   // "all_reduce #12 (f32, 4096, SUM)" after `prefix`. Appended by hand rather than through
   // fmt::format: it runs for every collective, on the latency path of small ones.
@@ -194,7 +188,7 @@ struct alignas(64) RankCtl {
   alignas(64) std::atomic<uint32_t> epoch;  // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;
   alignas(64) std::atomic<int32_t> pid;
-  std::atomic<uint64_t> pid_ns;  // the pid namespace pid means something in (pid_namespace())
+  std::atomic<uint64_t> pid_scope;  // my_pid_scope_hash(): where pid means something
   std::atomic<int32_t> state;  // 0 running, 1 left the group, 2 failed
   Desc recent[kRecent];        // recent[seq % kRecent]
   char error[1024];            // why this rank failed (state 2)
@@ -235,13 +229,15 @@ size_t env_bytes(const char* name, size_t fallback) {
 
 inline void cpu_relax() { _mm_pause(); }
 
-// The inode of this process's pid namespace (0 when unknown): pids are comparable only within one.
-uint64_t pid_namespace() {
-  static const uint64_t id = [] {
-    struct stat st{};
-    return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : uint64_t{0};
-  }();
-  return id;
+// pid_scope() (backends.h: boot and pid namespace) and its hash: pids are comparable only
+// between processes with the same scope.
+const std::string& my_pid_scope() {
+  static const std::string scope = pid_scope();
+  return scope;
+}
+uint64_t my_pid_scope_hash() {
+  static const uint64_t h = fnv1a(my_pid_scope().data(), my_pid_scope().size());
+  return h;
 }
 
 std::string host_identity() {
@@ -480,10 +476,10 @@ void ShmGroup::setup(int rank, int size, const ProcessGroupOptions& options) {
   // Same host: the segments are only shared there.
   const std::string me_host = host_identity();
   store_->set(fmt::format("shm/host/{}", rank), me_host);
-  store_->set(fmt::format("shm/pid/{}", rank), fmt::format("{} {}", static_cast<long>(getpid()), pid_namespace()));
+  store_->set(fmt::format("shm/pid/{}", rank), fmt::format("{} {}", static_cast<long>(getpid()), my_pid_scope()));
   // While waiting for the others' keys: a rank that failed to set up (it published why) or died
   // (its pid, on this host) ends the wait at once instead of at the timeout.
-  std::vector<long> peer_pids(static_cast<size_t>(size), -1);  // -1: not known yet, 0: another host
+  std::vector<long> peer_pids(static_cast<size_t>(size), -1);  // -1: not known yet, 0: another pid scope
   auto peer_failure = [&]() -> std::string {
     if (store_->add("shm/failures", 0) > 0) {
       for (int r = 0; r < size; ++r) {
@@ -497,17 +493,11 @@ void ShmGroup::setup(int rank, int size, const ProcessGroupOptions& options) {
       long& p = peer_pids[static_cast<size_t>(r)];
       if (r == rank || p == 0) continue;
       if (p < 0) {
-        const std::string host = fmt::format("shm/host/{}", r), pid = fmt::format("shm/pid/{}", r);
-        if (!store_->check({host, pid})) continue;
-        p = 0;
-        if (to_string(store_->get(host)) == me_host) {
-          long pid_value = 0;
-          unsigned long long ns = 0;
-          if (std::sscanf(to_string(store_->get(pid)).c_str(), "%ld %llu", &pid_value, &ns) == 2 &&
-              ns == pid_namespace()) {
-            p = pid_value;
-          }
-        }
+        const std::string key = fmt::format("shm/pid/{}", r);
+        if (!store_->check({key})) continue;
+        const std::string v = to_string(store_->get(key));  // "pid scope"
+        const size_t space = v.find(' ');
+        p = space != std::string::npos && v.substr(space + 1) == my_pid_scope() ? std::atol(v.c_str()) : 0;
       }
       if (p > 0 && !process_alive(static_cast<pid_t>(p))) {
         return fmt::format("rank {} (pid {}) died while the group was being set up", r, p);
@@ -605,7 +595,7 @@ void ShmGroup::setup(int rank, int size, const ProcessGroupOptions& options) {
   }
   RankCtl& mine = ctl(rank);
   mine.pid.store(static_cast<int32_t>(getpid()));
-  mine.pid_ns.store(pid_namespace());
+  mine.pid_scope.store(my_pid_scope_hash());
   mine.state.store(0);
   store_->set(fmt::format("shm/mapped/{}", rank), "1");
   wait_keys("shm/mapped", "map the group's segments");
@@ -874,7 +864,7 @@ void ShmGroup::check_peers(Ctx& c, int waiting_for, const std::function<std::str
     const pid_t pid = pc.pid.load();
     // Only a pid of our own pid namespace names a process we can look up (containers sharing
     // /dev/shm and a host name may not share one); elsewhere state, abort and timeout tell.
-    if (pc.pid_ns.load() == pid_namespace() && !process_alive(pid)) {
+    if (pc.pid_scope.load() == my_pid_scope_hash() && !process_alive(pid)) {
       fail(c, fmt::format("{} failed: rank {} (pid {}) died while rank {} waited for {}. {}", c.what(), p,
                           static_cast<long>(pid), rank(), what(), diagnosis(c, "Last seen")),
            false);

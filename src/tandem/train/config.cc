@@ -788,18 +788,14 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
       switch (event) {
         case json::parse_event_t::object_start:
           keys_seen.emplace_back();
+          [[fallthrough]];
+        case json::parse_event_t::array_start:
           object_path.push_back(pending_key);
           pending_key.clear();
           break;
         case json::parse_event_t::object_end:
           keys_seen.pop_back();
-          object_path.pop_back();
-          pending_key.clear();
-          break;
-        case json::parse_event_t::array_start:
-          object_path.push_back(pending_key);
-          pending_key.clear();
-          break;
+          [[fallthrough]];
         case json::parse_event_t::array_end:
           object_path.pop_back();
           pending_key.clear();

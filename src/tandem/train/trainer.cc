@@ -532,6 +532,19 @@ void check_same_start(dist::ProcessGroup& pg, const std::string& resumed_from, i
 
 }  // namespace
 
+void write_text_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  TANDEM_CHECK(f != nullptr, IOError, "cannot write {}: {}", tmp, std::strerror(errno));
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  const int err = written ? 0 : errno;
+  const bool closed = std::fclose(f) == 0;
+  TANDEM_CHECK(written && closed, IOError, "writing {} failed (disk full?): {}", tmp, std::strerror(err != 0 ? err : errno));
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  TANDEM_CHECK(!ec, IOError, "cannot rename {} to {}: {}", tmp, path, ec.message());
+}
+
 TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   // =========================== set-up ===========================
   // ---- process group (only when launched with WORLD_SIZE > 1) ----
@@ -937,20 +950,7 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   sum.loss_scale = prec.loss_scale();
   if (main_rank) {
     const json j = sum.to_json();
-    const std::string path = opts.out_dir + "/summary.json";
-    {
-      std::FILE* f = std::fopen((path + ".tmp").c_str(), "w");
-      TANDEM_CHECK(f != nullptr, IOError, "train: cannot write {}.tmp: {}", path, std::strerror(errno));
-      const std::string text = j.dump(2) + "\n";
-      const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-      const int err = written ? 0 : errno;
-      const bool closed = std::fclose(f) == 0;
-      TANDEM_CHECK(written && closed, IOError, "train: writing {}.tmp failed (disk full?): {}", path,
-                   std::strerror(err != 0 ? err : errno));
-    }
-    std::error_code ec;
-    fs::rename(path + ".tmp", path, ec);
-    TANDEM_CHECK(!ec, IOError, "train: cannot rename {}.tmp to {}: {}", path, path, ec.message());
+    write_text_atomically(opts.out_dir + "/summary.json", j.dump(2) + "\n");
     progress->message(fmt::format("summary: {}", j.dump()));
   }
   return sum;

@@ -59,4 +59,8 @@ struct TrainSummary {
 // bad data paths, a checkpoint that does not fit, communication failures (dist errors).
 TrainSummary run_training(const Config& config, const TrainerOptions& options = {});
 
+// Writes `text` to path.tmp, checking every write (a full disk is an IOError naming the file),
+// then renames it to `path`: readers see the old file or the whole new one.
+void write_text_atomically(const std::string& path, const std::string& text);
+
 }  // namespace tandem::train
