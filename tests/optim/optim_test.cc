@@ -573,3 +573,157 @@ TEST(UpdateBn, NoBatchNormMeansNoForwardAndAThrowRestoresModeAndMomentum) {
 }
 
 }  // namespace
+
+// A BatchNorm that runs twice per forward: every call counts once in the plain average (PyTorch's
+// update_bn sets momentum=None; a per-forward momentum let each forward's second call overwrite
+// its first). Batches [[1],[3]] and [[5],[9]]: the calls see means 2, 0, 7, 0 (the second call
+// normalizes the first's output), so running_mean = 9/4.
+TEST(UpdateBn, ABatchNormThatRunsTwicePerForwardAveragesEveryCall) {
+  auto bn = std::make_shared<td::nn::BatchNorm1d>(1);
+  auto model = std::make_shared<td::nn::Sequential>();
+  model->push_back(bn);
+  model->push_back(bn);
+  std::vector<Tensor> batches{td::tensor(std::vector<double>{1, 3}, {2, 1}), td::tensor(std::vector<double>{5, 9}, {2, 1})};
+  size_t next = 0;
+  EXPECT_EQ(optim::update_bn(*model, [&] { return next < batches.size() ? batches[next++] : Tensor(); }), 2);
+  // f32 statistics of small integers and their normalized values: 1e-5 absolute.
+  EXPECT_NEAR(bn->running_mean.item(), 2.25, 1e-5);
+  EXPECT_EQ(bn->num_batches_tracked.item(), 4.0);
+  EXPECT_EQ(bn->options.momentum, 0.1);
+}
+
+TEST(ClipGradNorm, ANanNormMakesEveryGradientNanNotJustTheBadOne) {
+  // PyTorch multiplies every gradient by clamp(max_norm / (nan + eps), max=1) = nan: the step is
+  // visibly bad (a GradScaler skips it), not an unclipped update of the finite parameters.
+  Tensor a = param({0, 0}), b = param({0});
+  set_grad(a, {1, std::numeric_limits<double>::quiet_NaN()});
+  set_grad(b, {100});
+  EXPECT_TRUE(std::isnan(optim::clip_grad_norm_({a, b}, 1.0)));
+  EXPECT_TRUE(std::isnan(b.grad().to_vector()[0]));
+}
+
+// optimizer.load_state_dict checks what it loads as PyTorch does (or stricter, naming the value):
+// floating-point state is cast to its parameter's dtype, shapes must match exactly (a one-element
+// state is not a step count), groups must hold the same numbers of parameters.
+TEST(Optimizer, LoadStateDictCastsStateToEachParametersDtype) {
+  Tensor p = param({1, 2, 3, 4});
+  optim::Adam a({p}, {.lr = 0.1});
+  set_grad(p, {1, -1, 2, -2});
+  a.step();
+  const optim::OptimizerState s = a.state_dict();
+  set_grad(p, {0.5, 0.5, -0.5, -0.5});
+  a.step();
+  const std::vector<double> want = p.to_vector();
+  for (td::DType dt : {td::kFloat64, td::kBFloat16}) {
+    Tensor q = param({1, 2, 3, 4}, dt);
+    {
+      td::NoGradGuard no_grad;
+      q.copy_(td::tensor(std::vector<double>{0.9, 2.1, 2.9, 4.1}, {4}).to(dt));  // after step 1 (lr 0.1)
+    }
+    optim::Adam b({q}, {.lr = 0.1});
+    b.load_state_dict(s);
+    EXPECT_EQ(b.state(q)->at("exp_avg").dtype(), dt);
+    EXPECT_EQ(b.state(q)->at("step").dtype(), td::kFloat64);
+    set_grad(q, {0.5, 0.5, -0.5, -0.5});
+    b.step();
+    // f64: the f32 state's rounding only (1e-6); bf16: one bf16 rounding of values near 4 (2^-6).
+    const double tol = dt == td::kFloat64 ? 1e-6 : 0.02;
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(q.to_vector()[i], want[i], tol) << td::dtype_name(dt) << i;
+  }
+}
+
+TEST(Optimizer, LoadStateDictRefusesStateThatDoesNotFitItsParameter) {
+  Tensor small = param({1}), big = param({1, 2, 3, 4, 5});
+  optim::Adam a({small, big}, {.lr = 0.1});
+  set_grad(small, {1});
+  a.step();  // only `small` has state
+  optim::OptimizerState s = a.state_dict();
+  std::swap(s.state[0], s.state[1]);  // a one-element exp_avg for the 5-element parameter
+  Tensor q_big = param({1, 2, 3, 4, 5}), q_small = param({1});
+  optim::Adam b({q_small, q_big}, {.lr = 0.1});
+  auto expect_refused = [&](const optim::OptimizerState& bad, const std::string& needle) {
+    try {
+      b.load_state_dict(bad);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const td::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(b.state(q_big), nullptr);  // nothing loaded
+  };
+  expect_refused(s, "has shape [1], the parameter has [5]");
+  optim::OptimizerState missing = a.state_dict();
+  missing.state[0].erase("exp_avg_sq");
+  expect_refused(missing, "no \"exp_avg_sq\"");
+  optim::OptimizerState foreign = a.state_dict();
+  foreign.state[0]["momentum_buffer"] = td::zeros({1});
+  expect_refused(foreign, "\"momentum_buffer\", which Adam does not keep");
+  optim::OptimizerState bad_step = a.state_dict();
+  bad_step.state[0]["step"] = td::zeros({2});
+  expect_refused(bad_step, "must be one number");
+  optim::OptimizerState int_state = a.state_dict();
+  int_state.state[0]["exp_avg"] = td::zeros({1}, td::kInt64);
+  expect_refused(int_state, "floating-point");
+  // And the load that fits works: step on q_small continues from step 1.
+  b.load_state_dict(a.state_dict());
+  EXPECT_EQ(b.state(q_small)->at("step").item(), 1.0);
+}
+
+TEST(Optimizer, LoadStateDictChecksEachGroupsNumberOfParameters) {
+  Tensor a = param({1}), b = param({2}), c = param({3});
+  optim::SGD saved({{{a, b}, {{"weight_decay", 0.5}}}, {{c}, {}}}, {.lr = 0.1});
+  const optim::OptimizerState s = saved.state_dict();
+  EXPECT_EQ(s.group_sizes, (std::vector<size_t>{2, 1}));
+  Tensor a2 = param({1}), b2 = param({2}), c2 = param({3});
+  optim::SGD other({{{a2}, {}}, {{b2, c2}, {}}}, {.lr = 0.1});
+  try {
+    other.load_state_dict(s);  // same totals: group 0's weight decay would land on b2's neighbour
+    ADD_FAILURE();
+  } catch (const td::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter group 0 holds 2 parameters in the state, 1 in the optimizer"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(other.param_groups()[0].options.at("weight_decay"), 0.0);
+}
+
+TEST(Adam, AmsgradSwitchedOnAfterTheFirstStepStartsItsMaximumThen) {
+  for (td::DType dt : {td::kFloat32, td::kFloat64}) {
+    Tensor p = param({1, 2}, dt);
+    optim::Adam a({p}, {.lr = 0.1});
+    set_grad(p, {4, 4});
+    a.step();
+    a.param_groups()[0].options["amsgrad"] = 1;
+    set_grad(p, {1, 1});
+    a.step();  // max_exp_avg_sq starts at zero: max(0, v) = v
+    EXPECT_EQ(a.state(p)->at("max_exp_avg_sq").to_vector(), a.state(p)->at("exp_avg_sq").to_vector());
+    set_grad(p, {0, 0});
+    a.step();  // v shrinks, the maximum stays
+    EXPECT_GT(a.state(p)->at("max_exp_avg_sq").to_vector()[0], a.state(p)->at("exp_avg_sq").to_vector()[0]);
+  }
+}
+
+// A scheduler records each group's initial_lr (PyTorch's setdefault): one made after the optimizer's
+// state was loaded, or a second one on the same optimizer, schedules from the original lr.
+TEST(LRScheduler, SchedulesFromTheInitialLrRecordedInTheGroup) {
+  Tensor p = param({1});
+  optim::SGD opt({p}, {.lr = 1.0});
+  optim::StepLR s(opt, 2, 0.1);
+  for (int i = 0; i < 4; ++i) s.step();
+  EXPECT_NEAR(opt.param_groups()[0].options.at("lr"), 0.01, 1e-12);
+  EXPECT_EQ(opt.param_groups()[0].options.at(optim::kInitialLr), 1.0);
+  const optim::OptimizerState saved = opt.state_dict();
+
+  Tensor q = param({1});
+  optim::SGD resumed({q}, {.lr = 1.0});
+  resumed.load_state_dict(saved);  // lr 0.01, initial_lr 1
+  optim::StepLR s2(resumed, 2, 0.1);
+  s2.set_last_step(4);
+  EXPECT_NEAR(resumed.param_groups()[0].options.at("lr"), 0.01, 1e-12);  // not 1e-4
+
+  Tensor r = param({1});
+  optim::SGD warm({r}, {.lr = 0.5});
+  optim::WarmupCosineLR first(warm, 10, 100);  // sets lr to 0 (warmup step 0)
+  optim::WarmupCosineLR second(warm, 10, 100);
+  second.set_last_step(10);
+  EXPECT_NEAR(warm.param_groups()[0].options.at("lr"), 0.5, 1e-12);  // not 0 for ever
+}

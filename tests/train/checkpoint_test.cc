@@ -269,6 +269,50 @@ TEST(Checkpoint, TruncatedFileIsRefusedAndNothingChanges) {
   expect_same_state(*b, *b_copy);
 }
 
+// An optimizer file whose state does not fit this optimizer is refused before anything loads:
+// a one-element momentum buffer for a larger parameter (it used to pass as a "step" count and the
+// update ran off its end), a malformed parameter index (a bare "stoull" before, and "1x" read as
+// 1), another optimizer's state. Each error names the file and the tensor or value.
+TEST(Checkpoint, OptimizerStateThatDoesNotFitIsRefusedBeforeAnythingLoads) {
+  tandem::testing::TempDir dir;
+  auto a = small_mlp(1);
+  optim::SGD opt_a(a->parameters(), {.lr = 0.1, .momentum = 0.9});
+  train_steps(*a, opt_a, 1);
+  const std::string path = save_checkpoint(dir.path(), {a.get(), &opt_a, nullptr}, sample_state(1), 1);
+  const std::string file = path + "/optimizer.safetensors";
+  const SafetensorsFile good = load_safetensors(file);
+  ASSERT_EQ(good.metadata.at("group_sizes"), "[4]");
+  auto b = small_mlp(2);
+  optim::SGD opt_b(b->parameters(), {.lr = 0.1, .momentum = 0.9});
+  auto b_copy = small_mlp(2);
+  auto refused = [&](std::function<void(SafetensorsFile&)> edit, const std::string& needle) {
+    SCOPED_TRACE(needle);
+    SafetensorsFile f = good;
+    edit(f);
+    save_safetensors(file, f.tensors, f.metadata);
+    try {
+      load_checkpoint(path, {b.get(), &opt_b, nullptr});
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("optimizer.safetensors"), std::string::npos) << e.what();
+    }
+    expect_same_state(*b, *b_copy);
+    EXPECT_TRUE(opt_b.state_dict().state[0].empty());
+  };
+  refused([](SafetensorsFile& f) { f.tensors[0].second = zeros({1}); }, "has shape [1], the parameter has [16, 8]");
+  refused([](SafetensorsFile& f) { f.tensors[0].first = "state.x.momentum_buffer"; }, "\"x\" is not a parameter");
+  refused([](SafetensorsFile& f) { f.tensors[1].first = "state.1x.momentum_buffer"; }, "\"1x\" is not a parameter");
+  refused([](SafetensorsFile& f) { f.metadata["num_params"] = "four"; }, "num_params \"four\"");
+  refused([](SafetensorsFile& f) { f.metadata["optimizer"] = "Adam"; }, "holds the state of a Adam optimizer");
+  refused([](SafetensorsFile& f) { f.tensors[0].first = "state.0.exp_avg"; }, "\"exp_avg\", which SGD does not keep");
+  refused([](SafetensorsFile& f) { f.metadata["group_sizes"] = "[3]"; }, "parameter group 0 holds 3 parameters");
+  // The file as written loads.
+  save_safetensors(file, good.tensors, good.metadata);
+  load_checkpoint(path, {b.get(), &opt_b, nullptr});
+  expect_same_optimizer(opt_a, opt_b);
+}
+
 // model.safetensors is what PyTorch's load_state_dict takes: the same names and shapes, strict.
 TEST(Checkpoint, ModelFileLoadsIntoPyTorch) {
   const std::string py = std::string(TANDEM_SOURCE_DIR) + "/.venv-test/bin/python";

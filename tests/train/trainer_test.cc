@@ -249,6 +249,36 @@ TEST(Trainer, AFreshRunIntoAnOutHoldingCheckpointsIsRefused) {
   std::fclose(devnull);
 }
 
+// A resume from an earlier checkpoint (a rewind) into the --out that holds the later ones: its
+// saves used to be deleted by keep_last as the oldest, and --resume auto then continued the
+// abandoned run. Refused, naming the later checkpoints and the ways out; nothing is deleted.
+TEST(Trainer, ARewindIntoAnOutHoldingLaterCheckpointsIsRefused) {
+  tandem::testing::TempDir dir;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  json j = gpt_config();
+  j["train"]["steps"] = 6;
+  j["train"]["checkpoint_every"] = 2;
+  j["train"]["keep_last"] = 3;
+  run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+  const auto before = list_checkpoints(dir.path() + "/checkpoints");
+  ASSERT_EQ(before.size(), 3u);
+  j["train"]["checkpoint_every"] = 1;
+  j["train"]["keep_last"] = 1;
+  try {
+    run_training(make(j), {.out_dir = dir.path(), .resume = before.front(), .out = devnull});
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const ValueError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("holds 2 later checkpoint(s) (newest: " + before.back() + ")"), std::string::npos) << m;
+    EXPECT_NE(m.find("another --out"), std::string::npos) << m;
+  }
+  EXPECT_EQ(list_checkpoints(dir.path() + "/checkpoints"), before);
+  // The newest one resumes there as before.
+  j["train"]["steps"] = 7;
+  EXPECT_EQ(run_training(make(j), {.out_dir = dir.path(), .resume = before.back(), .out = devnull}).steps, 7);
+  std::fclose(devnull);
+}
+
 // A resume whose config differs where the checkpoint's state depends on it: another seed (the
 // epoch's order changes while the position in it is kept), another optimizer (AdamW's state would
 // load into Adam), other optimizer options (the checkpoint's would win without a word). Each is

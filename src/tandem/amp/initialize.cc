@@ -1,6 +1,8 @@
 // amp::initialize (Apex's opt levels) and amp::scale_loss over the GradScaler's rule.
 #include "tandem/amp/initialize.h"
 
+#include <cmath>
+
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -260,13 +262,18 @@ void Amp::load_state_dict(const State& s) {
                  "amp: master parameter {} (\"{}\") has shape {} in the state, {} here", i, masters_[i].name(),
                  shape_str(s.master_params[i].shape()), shape_str(masters_[i].shape()));
   }
+  // Everything checked before anything changes.
+  for (const char* k : {"scale", "_growth_tracker", "_hysteresis_left"}) {
+    TANDEM_CHECK(s.scaler.count(k), ValueError, "amp: scaler state is missing \"{}\"", k);
+  }
+  const double scale = s.scaler.at("scale");
+  TANDEM_CHECK(std::isfinite(scale) && scale > 0, ValueError,
+               "amp: the scaler state's scale is {}; a loss scale must be finite and positive", scale);
+  optimizer_.check_state_dict(s.optimizer);
   optimizer_.load_state_dict(s.optimizer);
   NoGradGuard no_grad;
   for (size_t i = 0; i < masters_.size(); ++i) masters_[i].copy_(s.master_params[i]);
   write_back();
-  for (const char* k : {"scale", "_growth_tracker", "_hysteresis_left"}) {
-    TANDEM_CHECK(s.scaler.count(k), ValueError, "amp: scaler state is missing \"{}\"", k);
-  }
   rule_.set_state(static_cast<float>(s.scaler.at("scale")), static_cast<int64_t>(s.scaler.at("_growth_tracker")),
                   static_cast<int64_t>(s.scaler.at("_hysteresis_left")));
 }

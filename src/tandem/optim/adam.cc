@@ -32,6 +32,13 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::move
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options, std::string name, bool decoupled)
     : Optimizer(std::move(groups), to_options(options, name.c_str()), name), decoupled_(decoupled), fused_(options.fused) {}
 
+std::map<std::string, StateKind> Adam::state_keys() const {
+  return {{"step", StateKind::kStep},
+          {"exp_avg", StateKind::kLikeParam},
+          {"exp_avg_sq", StateKind::kLikeParam},
+          {"max_exp_avg_sq", StateKind::kOptionalLikeParam}};
+}
+
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::vector<ParamGroup>{{std::move(params), {}}}, options, "AdamW", true) {}
 AdamW::AdamW(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::move(groups), options, "AdamW", true) {}
@@ -60,8 +67,10 @@ void Adam::update() {
         st["step"] = zeros({}, kFloat64);
         st["exp_avg"] = zeros(p.shape(), p.dtype());
         st["exp_avg_sq"] = zeros(p.shape(), p.dtype());
-        if (amsgrad) st["max_exp_avg_sq"] = zeros(p.shape(), p.dtype());
       }
+      // amsgrad switched on after the first step (or state loaded from a run without it): the
+      // running maximum starts now (PyTorch fails with KeyError 'max_exp_avg_sq' there).
+      if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = zeros(p.shape(), p.dtype());
       double& step = *st["step"].data_ptr<double>();
       step += 1;
       const double bc1 = 1.0 - std::pow(b1, step), bc2 = 1.0 - std::pow(b2, step);

@@ -25,6 +25,7 @@ class Adam : public Optimizer {
 
  protected:
   void update() override;
+  std::map<std::string, StateKind> state_keys() const override;
   Adam(std::vector<ParamGroup> groups, AdamOptions options, std::string name, bool decoupled);
 
  private:

@@ -8,7 +8,14 @@
 namespace tandem::optim {
 
 LRScheduler::LRScheduler(Optimizer& optimizer) : optimizer_(optimizer) {
-  for (const auto& g : optimizer_.param_groups()) base_lrs_.push_back(g.options.at("lr"));
+  // PyTorch's group.setdefault("initial_lr", group["lr"]): the base lr is recorded in the group
+  // (and so in the optimizer's state_dict), so that a second scheduler, or one made after the
+  // optimizer's state was loaded, schedules from the original lr and not from an already
+  // scheduled one.
+  for (auto& g : optimizer_.param_groups()) {
+    const double base = g.options.emplace(kInitialLr, g.options.at("lr")).first->second;
+    base_lrs_.push_back(base);
+  }
 }
 
 void LRScheduler::apply() {
@@ -89,7 +96,9 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
                "error_if_nonfinite=false to clip anyway",
                norm_type, total);
   const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
+  // A nan norm scales every gradient by nan, as PyTorch's clamp(coef, max=1) does: the step is
+  // then visibly bad (a GradScaler skips it) rather than an unclipped update of the finite ones.
+  if (coef < 1.0 || std::isnan(coef)) {
     NoGradGuard no_grad;
     for (const Tensor& p : params) {
       Tensor g = p.grad();

@@ -28,7 +28,8 @@ void Optimizer::add_param_group(ParamGroup group) {
                  p.name().empty() ? "" : " (\"" + p.name() + "\")");
   }
   for (const auto& [key, value] : group.options) {
-    TANDEM_CHECK(defaults_.count(key), ValueError, "{}: unknown option \"{}\" in a parameter group", name_, key);
+    TANDEM_CHECK(defaults_.count(key) || key == kInitialLr, ValueError, "{}: unknown option \"{}\" in a parameter group",
+                 name_, key);
   }
   for (const auto& [key, value] : defaults_) group.options.emplace(key, value);
   groups_.push_back(std::move(group));
@@ -122,6 +123,7 @@ OptimizerState Optimizer::state_dict() const {
   OptimizerState out;
   for (const auto& g : groups_) {
     out.param_groups.push_back(g.options);
+    out.group_sizes.push_back(g.params.size());
     for (const auto& p : g.params) {
       std::map<std::string, Tensor> copy;
       if (auto it = state_.find(&p.impl()); it != state_.end()) {
@@ -133,7 +135,7 @@ OptimizerState Optimizer::state_dict() const {
   return out;
 }
 
-void Optimizer::load_state_dict(const OptimizerState& s) {
+void Optimizer::check_state_dict(const OptimizerState& s) const {
   TANDEM_CHECK(s.param_groups.size() == groups_.size(), ValueError,
                "{}.load_state_dict: the state has {} parameter groups, the optimizer has {}", name_,
                s.param_groups.size(), groups_.size());
@@ -141,26 +143,89 @@ void Optimizer::load_state_dict(const OptimizerState& s) {
   for (const auto& g : groups_) total += g.params.size();
   TANDEM_CHECK(s.state.size() == total, ValueError,
                "{}.load_state_dict: the state covers {} parameters, the optimizer has {}", name_, s.state.size(), total);
+  if (!s.group_sizes.empty()) {
+    TANDEM_CHECK(s.group_sizes.size() == groups_.size(), ValueError,
+                 "{}.load_state_dict: the state lists the sizes of {} parameter groups, it has {}", name_,
+                 s.group_sizes.size(), groups_.size());
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      // Otherwise each group's hyperparameters (and the state by position) would land on other
+      // parameters (PyTorch: "loaded state dict contains a parameter group that doesn't match the
+      // size of optimizer's group").
+      TANDEM_CHECK(s.group_sizes[gi] == groups_[gi].params.size(), ValueError,
+                   "{}.load_state_dict: parameter group {} holds {} parameters in the state, {} in the optimizer; "
+                   "build the optimizer with the same groups as the one that saved it",
+                   name_, gi, s.group_sizes[gi], groups_[gi].params.size());
+    }
+  }
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    for (const auto& [key, value] : s.param_groups[gi]) {
+      TANDEM_CHECK(defaults_.count(key) || key == kInitialLr, ValueError,
+                   "{}.load_state_dict: parameter group {} has option \"{}\", which {} does not know", name_, gi, key,
+                   name_);
+    }
+  }
+  const std::map<std::string, StateKind> keys = state_keys();
   size_t i = 0;
   for (const auto& g : groups_) {
     for (const auto& p : g.params) {
       for (const auto& [k, v] : s.state[i]) {
-        TANDEM_CHECK(v.numel() == 1 || v.shape() == p.shape(), ValueError,
-                     "{}.load_state_dict: state \"{}\" of parameter {} has shape {}, the parameter has {}", name_, k,
-                     i, shape_str(v.shape()), shape_str(p.shape()));
+        auto kind = keys.find(k);
+        if (kind == keys.end()) {
+          std::string known;
+          for (const auto& [name, unused] : keys) known += (known.empty() ? "" : ", ") + name;
+          throw ValueError(fmt::format("{}.load_state_dict: parameter {} has state \"{}\", which {} does not keep ({})",
+                                       name_, i, k, name_, known));
+        }
+        TANDEM_CHECK(v.defined(), ValueError, "{}.load_state_dict: state \"{}\" of parameter {} is undefined", name_, k,
+                     i);
+        if (kind->second == StateKind::kStep) {
+          TANDEM_CHECK(v.numel() == 1 && v.dim() <= 1, ValueError,
+                       "{}.load_state_dict: state \"{}\" of parameter {} must be one number, it has shape {}", name_, k,
+                       i, shape_str(v.shape()));
+        } else {
+          TANDEM_CHECK(v.shape() == p.shape(), ValueError,
+                       "{}.load_state_dict: state \"{}\" of parameter {} has shape {}, the parameter has {}", name_, k,
+                       i, shape_str(v.shape()), shape_str(p.shape()));
+          TANDEM_CHECK(is_floating(v.dtype()), DTypeError,
+                       "{}.load_state_dict: state \"{}\" of parameter {} has dtype {}, expected a floating-point dtype",
+                       name_, k, i, dtype_name(v.dtype()));
+        }
+      }
+      if (!s.state[i].empty()) {
+        for (const auto& [k, kind] : keys) {
+          TANDEM_CHECK(kind == StateKind::kOptionalLikeParam || s.state[i].count(k), ValueError,
+                       "{}.load_state_dict: parameter {} has state but no \"{}\"; the state is incomplete", name_, i,
+                       k);
+        }
+      }
+      ++i;
+    }
+  }
+}
+
+void Optimizer::load_state_dict(const OptimizerState& s) {
+  check_state_dict(s);
+  const std::map<std::string, StateKind> keys = state_keys();
+  // Converted copies first, so that nothing changes unless all of it loads.
+  std::vector<std::map<std::string, Tensor>> converted(s.state.size());
+  size_t i = 0;
+  for (const auto& g : groups_) {
+    for (const auto& p : g.params) {
+      for (const auto& [k, v] : s.state[i]) {
+        // PyTorch casts floating-point state to its parameter's dtype; the step count is a number.
+        const DType want = keys.at(k) == StateKind::kStep ? kFloat64 : p.dtype();
+        Tensor t = v.dtype() == want ? v.clone() : v.to(want);
+        converted[i][k] = t.reshape(keys.at(k) == StateKind::kStep ? Shape{} : p.shape()).contiguous();
       }
       ++i;
     }
   }
   i = 0;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    groups_[gi].options = s.param_groups[gi];
-    for (const auto& p : groups_[gi].params) {
-      auto& st = state_[&p.impl()];
-      st.clear();
-      for (const auto& [k, v] : s.state[i]) st[k] = v.clone();
-      ++i;
-    }
+    Options options = s.param_groups[gi];
+    for (const auto& [key, value] : defaults_) options.emplace(key, value);
+    groups_[gi].options = std::move(options);
+    for (const auto& p : groups_[gi].params) state_[&p.impl()] = std::move(converted[i++]);
   }
 }
 

@@ -15,17 +15,29 @@ namespace tandem::optim {
 // Hyperparameters by PyTorch's names: "lr", "momentum", "weight_decay", "beta1", "beta2", ...
 using Options = std::map<std::string, double>;
 
+// The lr a group had when its first LRScheduler was made (PyTorch's "initial_lr"), kept in the
+// group's options by the scheduler; every optimizer accepts it.
+inline constexpr const char* kInitialLr = "initial_lr";
+
 struct ParamGroup {
   std::vector<Tensor> params;
   Options options;  // missing keys take the optimizer's defaults
 };
 
 // Everything an optimizer needs to resume: per-parameter state (by index over all groups, in
-// order) and each group's hyperparameters.
+// order), each group's hyperparameters and each group's number of parameters.
 struct OptimizerState {
   std::vector<std::map<std::string, Tensor>> state;  // tensors are copies
   std::vector<Options> param_groups;
+  // Parameters per group, as PyTorch's param_groups[i]["params"] lists them; empty when unknown
+  // (a checkpoint written before they were saved): then only the total is checked.
+  std::vector<size_t> group_sizes;
 };
+
+// What a per-parameter state entry is: a step count (one number, kept as f64) or a tensor shaped
+// like its parameter (kept in the parameter's dtype, as PyTorch's load_state_dict casts it). All
+// but the kOptional ones must be there when a parameter has any state.
+enum class StateKind { kStep, kLikeParam, kOptionalLikeParam };
 
 class Optimizer {
  public:
@@ -65,13 +77,19 @@ class Optimizer {
   // The live state of `param` (PyTorch's optimizer.state[p], not copied): null before the
   // parameter's first step.
   const std::map<std::string, Tensor>* state(const Tensor& param) const;
-  // Throws ValueError naming the group/parameter when the structure or a shape differs.
+  // Throws ValueError naming the group/parameter when the structure (number of groups, parameters
+  // per group), a state's name, shape or dtype kind differs; floating-point state is cast to its
+  // parameter's dtype. Nothing changes when it throws.
   void load_state_dict(const OptimizerState& state);
+  // load_state_dict's checks alone (a checkpoint checks every file before it loads any).
+  void check_state_dict(const OptimizerState& state) const;
 
  protected:
   // Per-parameter state, created empty on first use.
   std::map<std::string, Tensor>& state_of(const Tensor& param);
   double option(const ParamGroup& g, const std::string& key) const;
+  // The per-parameter state entries this optimizer keeps, by name (load_state_dict refuses others).
+  virtual std::map<std::string, StateKind> state_keys() const = 0;
   // The update of every parameter of param_groups() that has a gradient (step() and step_subset).
   virtual void update() = 0;
 

@@ -24,6 +24,7 @@ class SGD : public Optimizer {
   //   d = g + wd * p;  buf = momentum * buf + (1 - dampening) * d  (buf = d on the first step);
   //   d = nesterov ? d + momentum * buf : buf;  p -= lr * d.
   void update() override;
+  std::map<std::string, StateKind> state_keys() const override { return {{"momentum_buffer", StateKind::kLikeParam}}; }
 };
 
 }  // namespace tandem::optim

@@ -36,9 +36,11 @@ int64_t update_bn(nn::Module& model, const std::function<Tensor()>& next_input) 
   }
   model.train();
   int64_t batches = 0;
+  // PyTorch's momentum=None: each BatchNorm's k-th call (1-based, counted by its own
+  // num_batches_tracked) enters with weight 1/k, so its running value is the plain mean over the
+  // calls it saw, also when a layer runs several times per forward or not in every forward.
+  for (auto* bn : bns) bn->options.momentum = std::nullopt;
   for (Tensor x = next_input(); x.defined(); x = next_input()) {
-    // The k-th batch (1-based) enters with weight 1/k: the running value stays the plain mean.
-    for (auto* bn : bns) bn->options.momentum = 1.0 / static_cast<double>(batches + 1);
     model(x);
     ++batches;
   }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -157,9 +158,11 @@ void write_replica(const std::string& dir, const Replica& r, const std::string& 
   }
   json groups = json::array();
   for (const auto& g : r.optimizer.param_groups) groups.push_back(g);
+  json sizes = json::array();
+  for (size_t n : r.optimizer.group_sizes) sizes.push_back(n);
   save_safetensors(dir + "/" + kOptimizerFile, tensors,
                    {{"param_groups", groups.dump()}, {"num_params", std::to_string(r.optimizer.state.size())},
-                    {"optimizer", optimizer_name}});
+                    {"group_sizes", sizes.dump()}, {"optimizer", optimizer_name}});
   if (!r.masters.empty()) {
     std::vector<std::pair<std::string, Tensor>> m;
     for (size_t i = 0; i < r.masters.size(); ++i) m.emplace_back(fmt::format("master.{}", i), r.masters[i]);
@@ -297,6 +300,11 @@ nlohmann::json checkpoint_config(const std::string& dir) {
   return state_from_json(read_json(path), path).config;
 }
 
+int64_t checkpoint_step(const std::string& dir) {
+  const std::string path = dir + "/" + kStateFile;
+  return state_from_json(read_json(path), path).step;
+}
+
 std::vector<std::string> list_checkpoints(const std::string& root) {
   std::vector<std::pair<int64_t, std::string>> found;
   std::error_code ec;
@@ -374,17 +382,42 @@ CheckpointState load_checkpoint(const std::string& top, const CheckpointTarget& 
   // ---- check the optimizer state against the optimizer's parameters ----
   const std::vector<Tensor> params = optimizer_params(*target.optimizer);
   optim::OptimizerState os;
+  // A whole non-negative decimal number, or an IOError naming the file and what held it.
+  auto index = [&](const std::string& text, const std::string& what) -> size_t {
+    size_t v = 0;
+    const char* end = text.data() + text.size();
+    auto [ptr, err] = std::from_chars(text.data(), end, v);
+    TANDEM_CHECK(!text.empty() && err == std::errc() && ptr == end, IOError,
+                 "load_checkpoint: {}/{}: {} \"{}\" is not a parameter count or index; the file is not one this "
+                 "code wrote",
+                 dir, kOptimizerFile, what, text);
+    return v;
+  };
+  const auto meta = [&](const char* key) -> const std::string& {
+    auto it = opt_file.metadata.find(key);
+    TANDEM_CHECK(it != opt_file.metadata.end(), IOError, "load_checkpoint: {}/{} lacks the \"{}\" metadata", dir,
+                 kOptimizerFile, key);
+    return it->second;
+  };
   try {
-    const json groups = json::parse(opt_file.metadata.at("param_groups"));
+    const json groups = json::parse(meta("param_groups"));
     for (const json& g : groups) os.param_groups.push_back(g.get<optim::Options>());
-    const size_t n = std::stoull(opt_file.metadata.at("num_params"));
-    TANDEM_CHECK(n == params.size(), ValueError,
-                 "load_checkpoint: {}/{} holds state for {} parameters, this optimizer has {}", dir, kOptimizerFile, n,
-                 params.size());
-  } catch (const std::out_of_range&) {
-    throw IOError(fmt::format("load_checkpoint: {}/{} lacks the param_groups/num_params metadata", dir, kOptimizerFile));
+    if (auto it = opt_file.metadata.find("group_sizes"); it != opt_file.metadata.end()) {
+      os.group_sizes = json::parse(it->second).get<std::vector<size_t>>();
+    }
   } catch (const json::exception& e) {
-    throw IOError(fmt::format("load_checkpoint: {}/{}: bad param_groups metadata: {}", dir, kOptimizerFile, e.what()));
+    throw IOError(fmt::format("load_checkpoint: {}/{}: bad param_groups/group_sizes metadata: {}", dir, kOptimizerFile,
+                              e.what()));
+  }
+  const size_t n = index(meta("num_params"), "num_params");
+  TANDEM_CHECK(n == params.size(), ValueError,
+               "load_checkpoint: {}/{} holds state for {} parameters, this optimizer has {}", dir, kOptimizerFile, n,
+               params.size());
+  if (auto it = opt_file.metadata.find("optimizer"); it != opt_file.metadata.end()) {
+    TANDEM_CHECK(it->second == target.optimizer->name(), ValueError,
+                 "load_checkpoint: {}/{} holds the state of a {} optimizer, this run's optimizer is {}; resume with "
+                 "the optimizer that saved it",
+                 dir, kOptimizerFile, it->second, target.optimizer->name());
   }
   TANDEM_CHECK(os.param_groups.size() == target.optimizer->param_groups().size(), ValueError,
                "load_checkpoint: {}/{} has {} parameter groups, this optimizer has {}", dir, kOptimizerFile,
@@ -395,13 +428,16 @@ CheckpointState load_checkpoint(const std::string& top, const CheckpointTarget& 
     const size_t d1 = name.find('.'), d2 = name.find('.', d1 + 1);
     TANDEM_CHECK(name.rfind("state.", 0) == 0 && d2 != std::string::npos, IOError,
                  "load_checkpoint: {}/{}: unexpected tensor \"{}\"", dir, kOptimizerFile, name);
-    const size_t i = std::stoull(name.substr(d1 + 1, d2 - d1 - 1));
+    const size_t i = index(name.substr(d1 + 1, d2 - d1 - 1), "tensor " + name + "'s parameter index");
     TANDEM_CHECK(i < params.size(), ValueError, "load_checkpoint: {}/{}: tensor \"{}\" is for parameter {} of {}", dir,
                  kOptimizerFile, name, i, params.size());
-    TANDEM_CHECK(t.numel() == 1 || t.shape() == params[i].shape(), ValueError,
-                 "load_checkpoint: optimizer state \"{}\" has shape {} in {}/{}, but parameter {} (\"{}\") has shape {}",
-                 name, shape_str(t.shape()), dir, kOptimizerFile, i, params[i].name(), shape_str(params[i].shape()));
     os.state[i][name.substr(d2 + 1)] = t;
+  }
+  // Shapes, dtypes, names and completeness of the state, as load_state_dict will check them.
+  try {
+    target.optimizer->check_state_dict(os);
+  } catch (const Error& e) {
+    throw ValueError(fmt::format("load_checkpoint: {}/{}: {}", dir, kOptimizerFile, e.what()));
   }
   amp::Amp::State amp_state;
   if (target.amp) {

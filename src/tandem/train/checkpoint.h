@@ -96,6 +96,9 @@ std::optional<std::string> latest_checkpoint(const std::string& root);
 // The config the checkpoint in `dir` was saved with (trainer_state.json's "config"). Throws IOError
 // naming the file when it is missing or unreadable.
 nlohmann::json checkpoint_config(const std::string& dir);
+// The optimizer step the checkpoint in `dir` was saved at (trainer_state.json's "step"). Throws
+// IOError as checkpoint_config.
+int64_t checkpoint_step(const std::string& dir);
 
 // Reads every file of the checkpoint in `dir`, checks it against `target` (every model tensor
 // name and shape, the optimizer's parameter count and state shapes, the masters), and only then

@@ -482,6 +482,23 @@ std::string start_problem(const Config& cfg, const TrainerOptions& opts, const s
   }
   std::optional<std::string> dir = opts.resume == "auto" ? latest_checkpoint(ckpt_root) : std::optional(opts.resume);
   if (!dir) return {};
+  if (opts.resume != "auto") {
+    // A resume from an earlier step (a rewind) into an --out holding later checkpoints: keep_last
+    // would delete the run's new checkpoints as the oldest, or its saves would replace the later
+    // ones of the same step, and --resume auto would pick up the abandoned run.
+    const int64_t from = checkpoint_step(*dir);
+    std::vector<std::string> later;
+    for (const std::string& c : list_checkpoints(ckpt_root)) {
+      if (checkpoint_step(c) > from) later.push_back(c);
+    }
+    if (!later.empty()) {
+      return fmt::format(
+          "train: resuming from {} (step {}) into {}, which holds {} later checkpoint(s) (newest: {}); this run's "
+          "checkpoints would be mixed with them (keep_last would delete this run's as the older ones, and --resume "
+          "auto would continue the later run). Give this run another --out, or move the later checkpoints away",
+          *dir, from, ckpt_root, later.size(), later.back());
+    }
+  }
   // The saved config resolved as this run resolves its own (the batch split may change: it is
   // taken from this run, so that another world size resolves).
   nlohmann::json saved = checkpoint_config(*dir);
