@@ -208,6 +208,29 @@ TEST(Autocast, BackwardInsideTheRegionEqualsOutside) {
   EXPECT_TRUE(all_close(w2.grad(), g2, 0, 0));
 }
 
+// Two forward/backward passes inside one autocast region (gradient accumulation under one guard):
+// the first backward released the cached weight cast's node, and the second pass reused the cached
+// tensor and failed with "backward through the graph a second time". The second pass casts anew
+// and the gradients equal two passes in separate regions, bitwise.
+TEST(Autocast, TwoBackwardsInOneRegionEqualTwoRegions) {
+  const Tensor x = randn({16, 12});
+  const Tensor y = randint(0, 5, {16});
+  Tensor w1 = param({20, 12}, 5), w2 = param({5, 20}, 7);
+  auto loss_fn = [&] { return ops::cross_entropy(ops::matmul(ops::relu(ops::linear(x, w1)), w2.t()), y); };
+  {
+    amp::autocast ac(kBFloat16);
+    for (int i = 0; i < 2; ++i) loss_fn().backward();
+  }
+  const Tensor g1 = w1.grad().clone(), g2 = w2.grad().clone();
+  for (Tensor* t : {&w1, &w2}) t->set_grad(Tensor());
+  for (int i = 0; i < 2; ++i) {
+    amp::autocast ac(kBFloat16);
+    loss_fn().backward();
+  }
+  EXPECT_TRUE(all_close(w1.grad(), g1, 0, 0));
+  EXPECT_TRUE(all_close(w2.grad(), g2, 0, 0));
+}
+
 TEST(Autocast, OffCostsNoCasts) {
   amp::reset_cast_stats();
   ops::linear(randn({4, 8}), param({2, 8}, 4));

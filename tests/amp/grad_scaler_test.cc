@@ -327,5 +327,86 @@ TEST(GradScaler, F16UnderflowDemo) {
   EXPECT_LT(last, 0.5 * first);
 }
 
+// PyTorch refuses to unscale f16 gradients (unscaled, small values fall below f16's range: a
+// 1e-9 gradient became 0). Refused here too, and every gradient's dtype is checked before any is
+// divided: a refused unscale_ leaves all of them, and the scaler's state, as they were.
+TEST(GradScaler, Fp16OrF64GradientsAreRefusedBeforeAnyGradientChanges) {
+  for (DType bad : {kFloat16, kFloat64}) {
+    SCOPED_TRACE(dtype_name(bad));
+    Tensor a = ones({3});
+    a.requires_grad_(true);
+    a.set_name("a");
+    Tensor b = ones({2}, bad);
+    b.requires_grad_(true);
+    b.set_name("b");
+    a.set_grad(full({3}, 65536.0));
+    b.set_grad(full({2}, 65536.0, bad));
+    optim::SGD opt({a, b}, {.lr = 0.1});
+    amp::GradScaler s;
+    try {
+      s.unscale_(opt);
+      ADD_FAILURE() << "expected DTypeError";
+    } catch (const DTypeError& e) {
+      EXPECT_NE(std::string(e.what()).find("(b)"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(a.grad().to_vector(), (std::vector<double>{65536, 65536, 65536}));  // not divided
+    b.set_grad(Tensor());
+    s.unscale_(opt);  // the retry unscales once
+    EXPECT_EQ(a.grad().to_vector(), (std::vector<double>{1, 1, 1}));
+  }
+}
+
+// A step with no gradient at all is a forgotten scale(loss).backward() (PyTorch: "No inf checks
+// were recorded for this optimizer"), not a good step counted toward growth.
+TEST(GradScaler, StepWithoutAnyGradientIsAnError) {
+  Tiny m;
+  optim::SGD opt({m.w, m.b}, {.lr = 0.1});
+  amp::GradScaler s;
+  try {
+    s.step(opt);
+    ADD_FAILURE() << "expected Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no inf checks were recorded"), std::string::npos) << e.what();
+  }
+}
+
+// The scale grows and backs off as torch._amp_update_scale_: f32 scale times the f64 factor,
+// rounded once (rounding the factor to f32 first drifted from the second step on, e.g.
+// 58392.57421875 instead of 58392.578125 with growth 1.1). Closed form in double, rounded per step.
+TEST(LossScaleRule, NonPowerOfTwoFactorsRoundOnceAsPyTorch) {
+  amp::LossScaleRule rule({.init_scale = 65536.0, .growth_factor = 1.1, .backoff_factor = 0.9, .growth_interval = 1});
+  float want = 65536.0f;
+  const bool overflow[8] = {false, false, true, false, true, true, false, false};
+  for (bool o : overflow) {
+    rule.update(o);
+    want = static_cast<float>(static_cast<double>(want) * (o ? 0.9 : 1.1));
+    ASSERT_EQ(rule.scale(), want);
+  }
+  amp::LossScaleRule two({.init_scale = 65536.0, .growth_factor = 1.1, .growth_interval = 1});
+  two.update(false);
+  two.update(false);
+  EXPECT_EQ(two.scale(), 79298.5625f);  // torch 2.x: 65536 -> 72089.6015625 -> 79298.5625
+}
+
+// load_state_dict checks the whole state before it changes anything: a NaN, zero or negative scale
+// (every later step skipped, or a scale stuck at 0) and an invalid growth_interval are refused, and
+// the scaler keeps its settings (get_growth_interval used to report the rejected value).
+TEST(GradScaler, LoadStateDictRefusesBadValuesAndChangesNothing) {
+  amp::GradScaler s;
+  const auto good = s.state_dict();
+  for (auto [key, value] : std::vector<std::pair<std::string, double>>{
+           {"scale", std::nan("")}, {"scale", 0.0}, {"scale", -4.0}, {"growth_interval", 0.0}, {"growth_factor", 3.0},
+           {"_growth_tracker", -1.0}}) {
+    SCOPED_TRACE(key + " " + std::to_string(value));
+    auto bad = good;
+    bad[key] = value;
+    if (key == "growth_factor") bad["growth_interval"] = 0.0;  // valid factor, invalid interval
+    EXPECT_THROW(s.load_state_dict(bad), ValueError);
+    EXPECT_EQ(s.state_dict(), good);
+    EXPECT_EQ(s.get_growth_interval(), 2000);
+    EXPECT_EQ(s.get_growth_factor(), 2.0);
+  }
+}
+
 }  // namespace
 }  // namespace tandem

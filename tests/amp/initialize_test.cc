@@ -137,6 +137,69 @@ TEST(AmpInitialize, OverflowSkipsOptimizerStepBitwise) {
   EXPECT_EQ(a->last_overflow()->entries[0].name, "0.weight");
 }
 
+// Several scale_loss per optimizer step (gradient accumulation, Apex's way): each one's gradients
+// are unscaled once and added to the earlier, already unscaled ones. They used to be added scaled
+// and the sum divided again, so earlier micro-batches were divided by the scale twice (dropped).
+// Equal to one scale_loss on the sum of the losses: O1 (f32 gradients; only the order of f32
+// additions differs: rel 1e-5) and O2 (each micro-batch's bf16 gradient rounds on its own before
+// it reaches the f32 master: rel 2^-7 of the largest element).
+TEST(AmpInitialize, SeveralScaleLossPerStepAccumulateLikeOneOnTheSum) {
+  for (const char* level : {"O1", "O2"}) {
+    SCOPED_TRACE(level);
+    auto m1 = small_model(), m2 = small_model();
+    optim::SGD o1(m1->parameters(), {.lr = 0.1}), o2(m2->parameters(), {.lr = 0.1});
+    auto a1 = amp::initialize(*m1, o1, {.opt_level = level}), a2 = amp::initialize(*m2, o2, {.opt_level = level});
+    for (uint64_t k : {0, 1}) {
+      auto s = amp::scale_loss(batch_loss(*m1, *a1, k), o1);
+      s.backward();
+    }
+    {
+      auto s = amp::scale_loss(ops::add(batch_loss(*m2, *a2, 0), batch_loss(*m2, *a2, 1)), o2);
+      s.backward();
+    }
+    const double tol = std::string(level) == "O1" ? 1e-5 : 1.0 / 128;
+    const auto& g1 = o1.param_groups()[0].params;
+    const auto& g2 = o2.param_groups()[0].params;
+    ASSERT_EQ(g1.size(), g2.size());
+    for (size_t i = 0; i < g1.size(); ++i) {
+      ASSERT_TRUE(g1[i].grad().defined()) << i;
+      const double scale = ops::max(ops::abs(g2[i].grad())).item();
+      EXPECT_TRUE(all_close(g1[i].grad(), g2[i].grad(), tol, tol * scale)) << i;
+    }
+  }
+}
+
+// An overflow in one micro-batch skips the step (Apex: the next step() is skipped once), also when
+// a later scale_loss before step() is finite; the step after that trains again.
+TEST(AmpInitialize, AnOverflowInAnyMicroBatchSkipsTheStep) {
+  auto model = small_model();
+  optim::SGD opt(model->parameters(), {.lr = 0.1});
+  auto a = amp::initialize(*model, opt, {.opt_level = "O1"});
+  std::vector<Tensor> p0;
+  for (auto& [n, p] : model->named_parameters()) p0.push_back(p.detach().clone());
+  {
+    auto s = amp::scale_loss(batch_loss(*model, *a, 0), opt);
+    s.backward();
+    model->named_parameters()[0].second.grad().data_ptr<float>()[0] = INFINITY;
+    EXPECT_TRUE(s.finish());
+  }
+  {
+    auto s = amp::scale_loss(batch_loss(*model, *a, 1), opt);
+    s.backward();
+    EXPECT_FALSE(s.finish());  // this one is finite, the step is skipped all the same
+  }
+  opt.step();
+  const auto named = model->named_parameters();
+  for (size_t i = 0; i < named.size(); ++i) EXPECT_TRUE(bitwise_equal(named[i].second.detach(), p0[i])) << named[i].first;
+  opt.zero_grad();
+  {
+    auto s = amp::scale_loss(batch_loss(*model, *a, 2), opt);
+    s.backward();
+  }
+  opt.step();
+  EXPECT_FALSE(bitwise_equal(model->named_parameters()[0].second.detach(), p0[0]));
+}
+
 // O2 on W2's CNN: convolutions and fc in bf16, BatchNorm parameters and running statistics kept
 // f32 (keep_batchnorm_fp32); BatchNorm takes the bf16 activations, computes statistics in f32,
 // updates its f32 running stats, and a training step moves the masters.

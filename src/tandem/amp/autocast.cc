@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "tandem/autograd/grad_mode.h"
+#include "tandem/autograd/node.h"
 #include "tandem/core/cpu_features.h"
 
 namespace tandem::amp {
@@ -76,8 +77,14 @@ Tensor cached_cast(const Tensor& t, DType dtype) {
   if (cacheable) {
     auto key = std::make_pair(static_cast<const TensorImpl*>(&t.impl()), dtype);
     if (auto it = tls.cache.find(key); it != tls.cache.end()) {
-      ++tls.stats.cache_hits;
-      return it->second.second;
+      // A backward inside the region went through the cast's node and released it (PyTorch's
+      // ToCopyBackward saves nothing and runs again): cast anew for this forward.
+      const auto& fn = it->second.second.grad_fn();
+      if (!fn || !fn->released()) {
+        ++tls.stats.cache_hits;
+        return it->second.second;
+      }
+      tls.cache.erase(it);
     }
     Tensor c = t.to(dtype);
     ++tls.stats.casts;

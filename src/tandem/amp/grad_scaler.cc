@@ -30,9 +30,9 @@ std::string OverflowReport::to_string() const {
 //             good step instead.
 LossScaleRule::LossScaleRule(const GradScalerOptions& o)
     : scale_(static_cast<float>(o.initial_scale_power ? std::ldexp(1.0, *o.initial_scale_power) : o.init_scale)),
-      growth_factor_(static_cast<float>(o.growth_factor)),
-      backoff_factor_(static_cast<float>(o.backoff_factor)),
-      min_scale_(static_cast<float>(o.min_loss_scale)),
+      growth_factor_(o.growth_factor),
+      backoff_factor_(o.backoff_factor),
+      min_scale_(o.min_loss_scale),
       growth_interval_(o.growth_interval),
       hysteresis_(o.hysteresis),
       dynamic_(o.dynamic),
@@ -53,7 +53,7 @@ void LossScaleRule::update(bool found_inf) {
   if (!dynamic_) return;
   if (found_inf) {
     if (hysteresis_left_ <= 1) {
-      scale_ = std::max(scale_ * backoff_factor_, min_scale_);
+      scale_ = static_cast<float>(std::max(static_cast<double>(scale_) * backoff_factor_, min_scale_));
     } else {
       --hysteresis_left_;
     }
@@ -62,7 +62,7 @@ void LossScaleRule::update(bool found_inf) {
   }
   if (consecutive_hysteresis_) hysteresis_left_ = hysteresis_;
   if (++growth_tracker_ == growth_interval_) {
-    const float grown = scale_ * growth_factor_;
+    const float grown = static_cast<float>(static_cast<double>(scale_) * growth_factor_);
     if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
     hysteresis_left_ = hysteresis_;
@@ -95,15 +95,25 @@ void count_nonfinite(const float* x, int64_t n, float inv, int64_t& n_inf, int64
 }  // namespace
 
 bool unscale_grads(const std::vector<Tensor>& grads, float inv_scale, const std::vector<std::string>& names,
-                   std::vector<OverflowEntry>* entries) {
+                   std::vector<OverflowEntry>* entries, bool allow_fp16) {
   NoGradGuard no_grad;
+  const auto name = [&](size_t i) { return i < names.size() ? names[i] : fmt::format("gradient {}", i); };
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Tensor& g = grads[i];
+    if (!g.defined()) continue;
+    TANDEM_CHECK(is_floating(g.dtype()) && g.dtype() != kFloat64, DTypeError,
+                 "GradScaler: cannot unscale a {} gradient ({}); expected float32, bfloat16 or float16",
+                 dtype_name(g.dtype()), name(i));
+    TANDEM_CHECK(allow_fp16 || g.dtype() != kFloat16, DTypeError,
+                 "GradScaler: attempting to unscale a float16 gradient ({}): unscaled, its small values would fall "
+                 "below float16's range and become 0 (PyTorch refuses it too). Keep the parameters in float32 (autocast "
+                 "computes in float16) or use amp::initialize at O2, which keeps float32 master weights",
+                 name(i));
+  }
   bool any = false;
   for (size_t i = 0; i < grads.size(); ++i) {
     Tensor g = grads[i];
     if (!g.defined()) continue;
-    TANDEM_CHECK(is_floating(g.dtype()) && g.dtype() != kFloat64, DTypeError,
-                 "GradScaler: cannot unscale a {} gradient ({}); expected float32, bfloat16 or float16",
-                 dtype_name(g.dtype()), i < names.size() ? names[i] : "?");
     // Work on a dense f32 buffer: the gradient itself when it is, else a copy written back.
     const bool direct = g.dtype() == kFloat32 && g.is_contiguous();
     Tensor w = direct ? g : g.to(kFloat32).contiguous();
@@ -113,7 +123,7 @@ bool unscale_grads(const std::vector<Tensor>& grads, float inv_scale, const std:
     if (bad) {
       any = true;
       if (entries) {
-        OverflowEntry e{i < names.size() ? names[i] : fmt::format("gradient {}", i), 0, 0, w.numel()};
+        OverflowEntry e{name(i), 0, 0, w.numel()};
         count_nonfinite(p, w.numel(), inv_scale, e.num_inf, e.num_nan);
         entries->push_back(std::move(e));
       }
@@ -148,11 +158,12 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
                "GradScaler.unscale_: optimizer {} is managed by amp::initialize, which scales its loss itself; use "
                "amp::scale_loss(loss, optimizer) with it, or drop amp::initialize and keep this GradScaler",
                optimizer.name());
-  PerOptimizer& st = per_optimizer_[&optimizer];
-  TANDEM_CHECK(st.stage != Stage::unscaled, Error,
-               "unscale_() has already been called on this optimizer ({}) since the last update()", optimizer.name());
-  TANDEM_CHECK(st.stage != Stage::stepped, Error, "unscale_() is being called after step() ({}); call update() first",
-               optimizer.name());
+  if (auto it = per_optimizer_.find(&optimizer); it != per_optimizer_.end()) {
+    TANDEM_CHECK(it->second.stage != Stage::unscaled, Error,
+                 "unscale_() has already been called on this optimizer ({}) since the last update()", optimizer.name());
+    TANDEM_CHECK(it->second.stage != Stage::stepped, Error,
+                 "unscale_() is being called after step() ({}); call update() first", optimizer.name());
+  }
   // PyTorch computes the reciprocal in f64 and rounds it to f32 once.
   const float inv = static_cast<float>(1.0 / static_cast<double>(rule_.scale()));
   std::vector<Tensor> grads;
@@ -163,10 +174,18 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
       const Tensor& p = group.params[pi];
       if (!p.grad().defined()) continue;
       grads.push_back(p.grad());
-      if (options_.provenance) names.push_back(p.name().empty() ? fmt::format("group {} param {}", gi, pi) : p.name());
+      names.push_back(p.name().empty() ? fmt::format("group {} param {}", gi, pi) : p.name());
     }
   }
+  // Checks every gradient before it changes any: a refused one leaves them all as they were.
   const bool local = unscale_grads(grads, inv, names, options_.provenance ? &pending_entries_ : nullptr);
+  // From here the gradients are unscaled: should agreeing on found_inf fail (a collective), the
+  // optimizer counts as unscaled with inf found, so that a retried unscale_ cannot divide twice
+  // and step() cannot apply them.
+  PerOptimizer& st = per_optimizer_[&optimizer];
+  st.stage = Stage::unscaled;
+  st.found_inf = true;
+  st.num_grads = static_cast<int64_t>(grads.size());
   st.found_inf = options_.found_inf_reducer ? options_.found_inf_reducer(local) : local;
   if (st.found_inf && options_.provenance) {
     last_overflow_ = OverflowReport{updates_, options_.rank, get_scale(), local, std::move(pending_entries_)};
@@ -174,7 +193,6 @@ void GradScaler::unscale_(optim::Optimizer& optimizer) {
     log(last_overflow_->to_string());
   }
   pending_entries_.clear();
-  st.stage = Stage::unscaled;
 }
 
 bool GradScaler::step(optim::Optimizer& optimizer) {
@@ -198,6 +216,12 @@ bool GradScaler::step(optim::Optimizer& optimizer) {
   }
   if (it == per_optimizer_.end() || it->second.stage == Stage::ready) unscale_(optimizer);
   PerOptimizer& st = per_optimizer_[&optimizer];
+  // PyTorch: "No inf checks were recorded for this optimizer." A step without any gradient is a
+  // forgotten scale(loss).backward(), not a good step to count toward growth.
+  TANDEM_CHECK(st.num_grads > 0, Error,
+               "GradScaler.step: optimizer {} has no gradients (no inf checks were recorded for it); call "
+               "scaler.scale(loss).backward() before scaler.step(optimizer)",
+               optimizer.name());
   const bool stepped = !st.found_inf;
   if (stepped) optimizer.step();
   st.stage = Stage::stepped;
@@ -268,13 +292,26 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& s) {
   for (const char* k : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
     TANDEM_CHECK(s.count(k), ValueError, "GradScaler.load_state_dict: missing key \"{}\"", k);
   }
-  options_.growth_factor = s.at("growth_factor");
-  options_.backoff_factor = s.at("backoff_factor");
-  options_.growth_interval = static_cast<int64_t>(s.at("growth_interval"));
-  const int64_t hyst = s.count("_hysteresis_left") ? static_cast<int64_t>(s.at("_hysteresis_left")) : options_.hysteresis;
-  const float scale = static_cast<float>(s.at("scale"));
-  rule_ = LossScaleRule(options_);
-  rule_.set_state(scale, static_cast<int64_t>(s.at("_growth_tracker")), hyst);
+  // Checked whole (the rule's constructor checks the factors) before anything changes.
+  const double scale = s.at("scale"), tracker = s.at("_growth_tracker"), interval = s.at("growth_interval");
+  TANDEM_CHECK(std::isfinite(scale) && scale > 0 && std::isfinite(static_cast<float>(scale)), ValueError,
+               "GradScaler.load_state_dict: scale {} is not a positive finite float32", scale);
+  TANDEM_CHECK(interval >= 1 && interval <= 9.0e15 && interval == std::floor(interval), ValueError,
+               "GradScaler.load_state_dict: growth_interval {} is not a whole number >= 1", interval);
+  TANDEM_CHECK(tracker >= 0 && tracker < interval && tracker == std::floor(tracker), ValueError,
+               "GradScaler.load_state_dict: _growth_tracker {} is not a whole number in [0, growth_interval {})",
+               tracker, interval);
+  GradScalerOptions o = options_;
+  o.growth_factor = s.at("growth_factor");
+  o.backoff_factor = s.at("backoff_factor");
+  o.growth_interval = static_cast<int64_t>(interval);
+  LossScaleRule rule(o);
+  const int64_t hyst = s.count("_hysteresis_left") ? static_cast<int64_t>(s.at("_hysteresis_left")) : o.hysteresis;
+  TANDEM_CHECK(hyst >= 0 && hyst <= std::max<int64_t>(o.hysteresis, 1), ValueError,
+               "GradScaler.load_state_dict: _hysteresis_left {} is outside [0, hysteresis {}]", hyst, o.hysteresis);
+  rule.set_state(static_cast<float>(scale), static_cast<int64_t>(tracker), hyst);
+  options_ = std::move(o);
+  rule_ = rule;
 }
 
 }  // namespace tandem::amp

@@ -87,7 +87,8 @@ class LossScaleRule {
 
  private:
   float scale_;
-  float growth_factor_, backoff_factor_, min_scale_;
+  // The factors stay f64: PyTorch multiplies the f32 scale by the f64 factor and rounds once.
+  double growth_factor_, backoff_factor_, min_scale_;
   int64_t growth_interval_, hysteresis_;
   bool dynamic_, consecutive_hysteresis_;
   int64_t growth_tracker_ = 0, hysteresis_left_;
@@ -95,9 +96,12 @@ class LossScaleRule {
 
 // Multiplies every gradient in `grads` by inv_scale in place (f32 arithmetic; f16/bf16
 // gradients are widened and rounded back) and counts non-finite values per gradient. Returns
-// whether any was found; fills `entries` (with `names`) only when it is non-null.
+// whether any was found; fills `entries` (with `names`) only when it is non-null. Every gradient's
+// dtype is checked before any changes: f32/bf16, and f16 only with allow_fp16 (PyTorch's
+// GradScaler refuses f16 gradients: unscaled values below f16's range become 0; Apex's O3 takes
+// them); otherwise DTypeError naming the gradient.
 bool unscale_grads(const std::vector<Tensor>& grads, float inv_scale, const std::vector<std::string>& names,
-                   std::vector<OverflowEntry>* entries);
+                   std::vector<OverflowEntry>* entries, bool allow_fp16 = false);
 
 class GradScaler {
  public:
@@ -142,6 +146,7 @@ class GradScaler {
   struct PerOptimizer {
     Stage stage = Stage::ready;
     bool found_inf = false;
+    int64_t num_grads = 0;  // gradients unscale_ saw
   };
   void log(const std::string& line) const;
 

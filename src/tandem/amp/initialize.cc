@@ -166,6 +166,8 @@ Amp::Amp(nn::Module& model, optim::Optimizer& optimizer, const InitializeOptions
       hook_ = optimizer.register_step_post_hook([this](optim::Optimizer&) { write_back(); });
     }
   }
+  // An overflow skips one optimizer step (Apex patches step() to skip once): it ends there.
+  step_hook_ = optimizer.register_step_post_hook([this](optim::Optimizer&) { step_overflowed_ = false; });
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.optimizers[&optimizer] = this;
@@ -174,6 +176,7 @@ Amp::Amp(nn::Module& model, optim::Optimizer& optimizer, const InitializeOptions
 
 Amp::~Amp() {
   if (hook_ >= 0) optimizer_.remove_step_post_hook(hook_);
+  if (step_hook_ >= 0) optimizer_.remove_step_post_hook(step_hook_);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.optimizers.erase(&optimizer_);
@@ -201,8 +204,27 @@ void Amp::write_back() {
   for (size_t i = 0; i < masters_.size(); ++i) model_lowp_[i].copy_(masters_[i]);
 }
 
+void Amp::stash_gradients() {
+  for (auto& g : optimizer_.param_groups()) {
+    for (const Tensor& p : g.params) {
+      if (!p.grad().defined()) continue;
+      Tensor& kept = stash_[&p.impl()];
+      if (kept.defined()) {
+        NoGradGuard no_grad;
+        kept.add_(p.grad());  // stashed twice without unscale_and_check in between
+      } else {
+        kept = p.grad();
+      }
+      p.set_grad(Tensor());
+    }
+  }
+}
+
 bool Amp::unscale_and_check() {
   NoGradGuard no_grad;
+  // The stash goes back whatever happens below (added to the new gradients, or dropped with them).
+  std::map<const TensorImpl*, Tensor> stash = std::move(stash_);
+  stash_.clear();
   // ---- O2: low-precision grads become the masters' f32 grads ----
   for (size_t i = 0; i < masters_.size(); ++i) {
     Tensor g = model_lowp_[i].grad();
@@ -225,8 +247,35 @@ bool Amp::unscale_and_check() {
   }
   const float inv = static_cast<float>(1.0 / static_cast<double>(rule_.scale()));
   std::vector<OverflowEntry> entries;
-  const bool local = unscale_grads(grads, scaling_ ? inv : 1.0f, names, scaler_options_.provenance ? &entries : nullptr);
+  bool local = false;
+  try {
+    // Apex's O3 keeps f16 parameters (and gradients) without masters: allowed here.
+    local = unscale_grads(grads, scaling_ ? inv : 1.0f, names, scaler_options_.provenance ? &entries : nullptr,
+                          /*allow_fp16=*/true);
+  } catch (...) {
+    stash_ = std::move(stash);  // set aside again: a retry unscales only the new gradients
+    throw;
+  }
   const bool found = scaler_options_.found_inf_reducer ? scaler_options_.found_inf_reducer(local) : local;
+  // Already unscaled gradients of earlier scale_loss calls this step come back.
+  for (auto& g : optimizer_.param_groups()) {
+    for (const Tensor& p : g.params) {
+      auto it = stash.find(&p.impl());
+      if (it == stash.end()) continue;
+      if (p.grad().defined()) {
+        Tensor grad = p.grad();
+        grad.add_(it->second);
+      } else {
+        p.set_grad(it->second);
+      }
+    }
+  }
+  if (found) step_overflowed_ = true;
+  if (step_overflowed_) {
+    // This step is skipped: also the gradients of a later scale_loss before step() are dropped.
+    for (auto& g : optimizer_.param_groups())
+      for (const Tensor& p : g.params) p.set_grad(Tensor());
+  }
   if (found) {
     ++skipped_;
     if (scaler_options_.provenance) {
@@ -234,10 +283,8 @@ bool Amp::unscale_and_check() {
       if (scaler_options_.log) scaler_options_.log(last_overflow_->to_string());
       else std::fprintf(stderr, "%s\n", last_overflow_->to_string().c_str());
     }
-    // Dropping the gradients makes the next optimizer.step() a no-op: parameters and state stay
-    // bitwise unchanged (optimizers skip parameters without a gradient).
-    for (auto& g : optimizer_.param_groups())
-      for (const Tensor& p : g.params) p.set_grad(Tensor());
+    // Dropping the gradients (above) makes the next optimizer.step() a no-op: parameters and
+    // state stay bitwise unchanged (optimizers skip parameters without a gradient).
   }
   rule_.update(found);
   ++updates_;
@@ -290,6 +337,7 @@ ScaledLoss::ScaledLoss(const Tensor& loss, optim::Optimizer& optimizer) : amp_(n
                  optimizer.name());
     amp_ = it->second;
   }
+  amp_->stash_gradients();
   scaled_ = amp_->scale(loss);
 }
 

@@ -4,6 +4,7 @@
 // step. O3: pure low precision. Invariant: at O2 the optimizer only ever sees the f32 masters.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,10 +50,16 @@ class Amp {
 
   // Scales `loss` by the current scale (see ScaledLoss).
   Tensor scale(const Tensor& loss) const;
+  // Before a backward whose gradients add to ones already unscaled (Apex's stash, for several
+  // scale_loss per optimizer step): sets the optimizer's current gradients aside, so that
+  // unscale_and_check divides only the new ones and adds them back. ScaledLoss calls it.
+  void stash_gradients();
   // After backward on a scaled loss: O2 moves each low-precision gradient into its f32 master's
-  // grad; then every gradient the optimizer will see is divided by the scale and checked for
-  // inf/nan (agreed across ranks). On overflow every such gradient is dropped, so that
-  // optimizer.step() changes nothing, and the scale backs off. Returns whether it overflowed.
+  // grad; then every gradient the optimizer will see (but a stashed one) is divided by the scale
+  // and checked for inf/nan (agreed across ranks), and the stash is added back. On overflow every
+  // such gradient is dropped, so that optimizer.step() changes nothing, and the scale backs off;
+  // an overflow skips the whole step (every later scale_loss before step() drops its gradients
+  // too). Returns whether this call found an overflow.
   bool unscale_and_check();
   double get_scale() const { return static_cast<double>(rule_.scale()); }
   int64_t skipped_steps() const { return skipped_; }
@@ -87,7 +94,9 @@ class Amp {
   LossScaleRule rule_;
   std::vector<Tensor> model_lowp_;  // low-precision model parameters with a master (O2)
   std::vector<Tensor> masters_;     // their f32 masters, in the optimizer
-  int64_t hook_ = -1;
+  int64_t hook_ = -1, step_hook_ = -1;
+  std::map<const TensorImpl*, Tensor> stash_;  // gradients set aside by stash_gradients()
+  bool step_overflowed_ = false;              // an overflow since the last optimizer step
   int64_t skipped_ = 0, updates_ = 0;
   std::optional<OverflowReport> last_overflow_;
 };
@@ -104,7 +113,9 @@ bool is_amp_managed(const optim::Optimizer& optimizer);
 
 // `with amp.scale_loss(loss, optimizer) as scaled_loss:` in C++. Call backward() (or use get())
 // inside the scope; when the object dies (or finish() is called) the gradients are unscaled and
-// checked, so that the next optimizer.step() skips on overflow. One scale_loss per optimizer step.
+// checked, so that the next optimizer.step() skips on overflow. Several scale_loss per optimizer
+// step accumulate (each one's gradients are unscaled once and added to the earlier, already
+// unscaled ones, as Apex's stash does); an overflow in any of them skips the step.
 // Throws Error when the optimizer is not managed by amp::initialize.
 class ScaledLoss {
  public:

@@ -43,6 +43,8 @@ class Node : public std::enable_shared_from_this<Node> {
   virtual std::string name() const = 0;
   // Frees saved tensors after a backward without retain_graph.
   virtual void release_variables() {}
+  // Whether release_variables() ran (a backward without retain_graph went through it).
+  virtual bool released() const { return false; }
 
   const std::vector<Edge>& next_edges() const { return next_edges_; }
   std::vector<Edge>& mutable_next_edges() { return next_edges_; }
@@ -112,6 +114,7 @@ class FunctionNode : public Node {
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
   std::string name() const override { return name_; }
   void release_variables() override { fn_ = nullptr; }
+  bool released() const override { return fn_ == nullptr; }
 
  private:
   std::string name_;
