@@ -235,6 +235,23 @@ TEST(TextBytes, SmallFilesWindowsAndErrors) {
   EXPECT_THROW(ds.get(400), td::ValueError);
 }
 
+// A directory's regular files are taken and anything else skipped: a dangling symlink failed the
+// whole directory with "cannot list the directory" when it happened to be listed last.
+TEST(TextBytes, ADanglingSymlinkInADirectoryIsSkipped) {
+  td::testing::TempDir dir;
+  fs::create_directory(dir.path() + "/d");
+  std::ofstream(dir.path() + "/d/a.txt") << "hello world";
+  for (const char* link : {"/d/0", "/d/zzz"}) fs::create_symlink(dir.path() + "/nowhere", dir.path() + link);
+  td::data::TextBytes ds({dir.path() + "/d"}, 2);
+  EXPECT_EQ(std::string(ds.bytes().begin(), ds.bytes().end()), "hello world");
+}
+
+// Images without pixels (H or W 0) are a ShapeError, not a division by zero in get().
+TEST(ImageClassificationDataset, ImagesWithoutPixelsAreAShapeError) {
+  td::data::ImageClassification data{td::empty({2, 1, 0, 5}, td::kUInt8), td::zeros({2}, td::kInt64)};
+  EXPECT_THROW(td::data::ImageClassificationDataset(data, /*raw=*/false, {0}, {1}), td::ShapeError);
+}
+
 // ---- TokenFile ----
 
 TEST(TokenFile, RawAndLlmcFiles) {

@@ -154,6 +154,22 @@ TEST(DataLoader, OwnedShufflerReshufflesEachPassUnlessTheEpochIsSet) {
   EXPECT_EQ(drain(fixed), e0);
 }
 
+// The usual loop calls set_epoch on the loader's own sampler (loader.sampler().set_epoch(e)): the
+// epoch set wins over the loader's auto-advance (it used to run e + 1, and state() named e while
+// the pass ran e + 1, so a resume skipped into another order).
+TEST(DataLoader, AnEpochSetOnTheOwnedSamplerWinsOverTheAutoAdvance) {
+  Probe ds(40);
+  DataLoader ref(ds, {.batch_size = 40, .shuffle = true, .seed = 2});
+  const Values e0 = drain(ref), e1 = drain(ref), e2 = drain(ref);
+  DataLoader loader(ds, {.batch_size = 40, .shuffle = true, .seed = 2});
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    loader.sampler().set_epoch(epoch);
+    EXPECT_EQ(loader.state().epoch, epoch);
+    EXPECT_EQ(drain(loader), (std::vector<Values>{e0, e1, e2})[static_cast<size_t>(epoch)]) << epoch;
+  }
+  EXPECT_EQ(drain(loader), drain(ref));  // without a set_epoch it advances again
+}
+
 TEST(DataLoader, WorkerErrorReachesTheConsumerWithTheBatchIndex) {
   for (int64_t workers : {0, 2}) {
     Probe ds(40, /*fail_at=*/13);

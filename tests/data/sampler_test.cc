@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tandem/data/sampler.h"
+#include "parallel/ranks.h"
 #include "util/test_util.h"
 
 namespace td = tandem;
@@ -201,6 +202,33 @@ TEST(DistributedSampler, DefaultsFromEnvironment) {
     EnvVar w("WORLD_SIZE", "2"), r("RANK", "2");
     EXPECT_THROW(DistributedSampler(10), td::ValueError);
   }
+}
+
+// With a process group, num_replicas and rank default from it, as torch's (an mpirun or srun
+// launch sets OMPI_*/SLURM_*, which init_process_group reads, and no WORLD_SIZE/RANK: every rank
+// took the whole dataset). Without one, a launcher's process count > 1 and no WORLD_SIZE is an
+// error saying so.
+TEST(DistributedSampler, DefaultsFromTheProcessGroupWhenThereIsOne) {
+  td::testing::on_ranks(
+      2,
+      [](std::shared_ptr<td::dist::ProcessGroup> group) {
+        unsetenv("WORLD_SIZE");
+        unsetenv("RANK");
+        DistributedSampler s(10, {.shuffle = false});
+        if (s.num_replicas() != 2 || s.rank() != group->rank()) {
+          td::testing::fail("num_replicas " + std::to_string(s.num_replicas()) + " rank " + std::to_string(s.rank()));
+        }
+      },
+      std::chrono::seconds(60), std::chrono::seconds(30));
+  EnvVar w("WORLD_SIZE", nullptr), r("RANK", nullptr), o("OMPI_COMM_WORLD_SIZE", "4");
+  try {
+    DistributedSampler s(10);
+    ADD_FAILURE() << "expected ValueError";
+  } catch (const td::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("OMPI_COMM_WORLD_SIZE=4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("init_process_group"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(DistributedSampler(10, {.num_replicas = 4, .rank = 1}).rank(), 1);
 }
 
 // ---- the PyTorch oracle (shuffle=False; torch's randperm differs from ours by design) ----

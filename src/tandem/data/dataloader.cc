@@ -259,10 +259,10 @@ int64_t DataLoader::size() const { return batches_for(sampler_->size(), options_
 DataLoader::Iterator DataLoader::begin() {
   pass_.reset();  // stops and joins the previous pass's workers
   ++generation_;
-  if (auto_advance_) {
-    sampler_->set_epoch(sampler_->epoch() + 1);
-    auto_advance_ = false;
-  }
+  // The owned sampler advances to the next epoch, unless the caller set one since the last pass
+  // (through loader.sampler().set_epoch: an epoch set explicitly wins, as in torch).
+  if (auto_advance_ && sampler_->epoch_sets() == pass_epoch_sets_) sampler_->set_epoch(sampler_->epoch() + 1);
+  auto_advance_ = false;
   const int64_t epoch = sampler_->epoch();
   int64_t skip = 0;
   if (resume_) {
@@ -281,6 +281,7 @@ DataLoader::Iterator DataLoader::begin() {
   const int64_t num_batches = pass->num_batches;
   pass_ = std::move(pass);
   auto_advance_ = owned_sampler_ != nullptr;
+  pass_epoch_sets_ = sampler_->epoch_sets();
   started_ = true;
   pass_epoch_ = epoch;
   consumed_ = skip;

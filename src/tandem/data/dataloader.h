@@ -144,6 +144,7 @@ class DataLoader {
   std::unique_ptr<Pass> pass_;
   uint64_t generation_ = 0;     // passes started; iterators carry theirs
   bool auto_advance_ = false;   // the next pass starts the next epoch (owned sampler only)
+  uint64_t pass_epoch_sets_ = 0;  // the sampler's epoch_sets() when the last pass began
   std::optional<State> resume_;
   bool started_ = false;        // a pass has started since construction / load_state
   int64_t pass_epoch_ = 0;      // epoch of the current pass

@@ -10,6 +10,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/core/rng.h"
+#include "tandem/dist/process_group.h"
 
 namespace tandem::data {
 
@@ -66,8 +67,24 @@ int64_t env_int(const char* name, int64_t fallback) {
 DistributedSampler::DistributedSampler(int64_t dataset_size, const Options& options)
     : dataset_size_(dataset_size), options_(options) {
   TANDEM_CHECK(dataset_size >= 0, ValueError, "DistributedSampler: dataset_size must be >= 0, got {}", dataset_size);
-  num_replicas_ = options.num_replicas ? *options.num_replicas : env_int("WORLD_SIZE", 1);
-  rank_ = options.rank ? *options.rank : env_int("RANK", 0);
+  // As torch's: from the default process group when there is one (launched by mpirun or srun,
+  // init_process_group reads OMPI_*/SLURM_* and no RANK/WORLD_SIZE need exist); else from
+  // $WORLD_SIZE/$RANK (tandem run / torchrun set them), else 1 and 0.
+  const bool group = dist::is_initialized();
+  if (!group && !options.num_replicas && std::getenv("WORLD_SIZE") == nullptr) {
+    for (const char* launcher : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+      const int64_t n = env_int(launcher, 1);
+      TANDEM_CHECK(n <= 1, ValueError,
+                   "DistributedSampler: {}={} says this is one of {} processes, but there is no process group and no "
+                   "WORLD_SIZE: every process would take the whole dataset. Call dist::init_process_group() before "
+                   "making the sampler, or pass num_replicas and rank",
+                   launcher, n, n);
+    }
+  }
+  num_replicas_ = options.num_replicas ? *options.num_replicas
+                  : group            ? dist::get_world_size()
+                                     : env_int("WORLD_SIZE", 1);
+  rank_ = options.rank ? *options.rank : group ? dist::get_rank() : env_int("RANK", 0);
   TANDEM_CHECK(num_replicas_ >= 1, ValueError, "DistributedSampler: num_replicas must be >= 1, got {}", num_replicas_);
   TANDEM_CHECK(rank_ >= 0 && rank_ < num_replicas_, ValueError,
                "DistributedSampler: invalid rank {}, rank should be in the interval [0, {}] for num_replicas={}", rank_,

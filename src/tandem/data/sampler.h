@@ -45,8 +45,14 @@ class Sampler {
   virtual std::vector<int64_t> indices() const = 0;
   // Selects the epoch whose order indices() returns (torch's DistributedSampler.set_epoch).
   // Samplers whose order does not depend on the epoch only record it.
-  virtual void set_epoch(int64_t epoch) { epoch_ = epoch; }
+  void set_epoch(int64_t epoch) {
+    epoch_ = epoch;
+    ++epoch_sets_;
+  }
   int64_t epoch() const { return epoch_; }
+  // How many times set_epoch() was called (a DataLoader that owns the sampler advances the epoch
+  // itself only while nobody else set it).
+  uint64_t epoch_sets() const { return epoch_sets_; }
 
   // `for (int64_t i : sampler)`.
   Iterator begin() const { return Iterator(std::make_shared<const std::vector<int64_t>>(indices())); }
@@ -54,6 +60,7 @@ class Sampler {
 
  protected:
   int64_t epoch_ = 0;
+  uint64_t epoch_sets_ = 0;
 };
 
 // 0, 1, ..., size - 1 (torch.utils.data.SequentialSampler). Throws ValueError when size < 0.

@@ -68,8 +68,12 @@ TextBytes::TextBytes(std::vector<std::string> paths, int64_t context, uint64_t s
     std::error_code ec;
     if (fs::is_directory(p, ec)) {
       std::vector<std::string> in_dir;
-      for (const fs::directory_entry& e : fs::directory_iterator(p, ec)) {
-        if (fs::is_regular_file(e.path(), ec)) in_dir.push_back(e.path().string());
+      fs::directory_iterator it(p, ec);
+      TANDEM_CHECK(!ec, IOError, "TextBytes: {}: cannot list the directory: {}", p, ec.message());
+      for (; it != fs::directory_iterator(); it.increment(ec)) {
+        // Its regular files (through symlinks); a dangling link or another entry is skipped.
+        std::error_code entry_ec;
+        if (fs::is_regular_file(it->path(), entry_ec)) in_dir.push_back(it->path().string());
       }
       TANDEM_CHECK(!ec, IOError, "TextBytes: {}: cannot list the directory: {}", p, ec.message());
       std::sort(in_dir.begin(), in_dir.end());

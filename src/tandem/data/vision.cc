@@ -16,6 +16,9 @@ ImageClassificationDataset::ImageClassificationDataset(ImageClassification data,
   TANDEM_CHECK(images_.dim() == 4 && labels_.dim() == 1 && images_.size(0) == labels_.size(0), ShapeError,
                "ImageClassificationDataset: expected images [N, C, H, W] and labels [N], got {} and {}",
                shape_str(images_.shape()), shape_str(labels_.shape()));
+  TANDEM_CHECK(images_.size(1) > 0 && images_.size(2) > 0 && images_.size(3) > 0, ShapeError,
+               "ImageClassificationDataset: images {} have no pixels; expected C, H and W >= 1",
+               shape_str(images_.shape()));
   const int64_t channels = images_.size(1);
   auto per_channel = [&](std::vector<double>& v, const char* name) {
     TANDEM_CHECK(v.size() == 1 || static_cast<int64_t>(v.size()) == channels, ValueError,
