@@ -67,7 +67,7 @@ Tensor leaf(const Shape& shape, double lo, double hi, uint64_t seed, DType dtype
   std::vector<Tensor> wanted;
   for (const Tensor& t : inputs)
     if (t.requires_grad()) wanted.push_back(t);
-  std::vector<Tensor> analytic = autograd::grad({reduce(y)}, wanted);
+  std::vector<Tensor> analytic = autograd::grad({reduce(y)}, wanted, {}, false, /*allow_unused=*/true);
   size_t k = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& x = inputs[i];
@@ -192,7 +192,7 @@ std::vector<Tensor> input_grads(const Tensor& loss, const std::vector<Tensor>& i
   for (const Tensor& in : inputs)
     if (in.requires_grad()) leaves.push_back(in);
   if (!loss.defined() || leaves.empty()) return grads;
-  const std::vector<Tensor> g = autograd::grad({loss}, leaves);
+  const std::vector<Tensor> g = autograd::grad({loss}, leaves, {}, false, /*allow_unused=*/true);
   size_t j = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].requires_grad()) continue;

@@ -151,6 +151,10 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
          const Captures* captures, std::vector<Tensor>* captured) {
   TANDEM_CHECK(grads_in.empty() || grads_in.size() == roots.size(), AutogradError,
                "backward: got {} gradients for {} outputs", grads_in.size(), roots.size());
+  TANDEM_CHECK(!create_graph, AutogradError,
+               "backward(create_graph=true): higher-order gradients are not implemented; the gradients would carry "
+               "no history, so a term built from them (a gradient penalty) would silently get no gradient. Compute "
+               "such a term another way, or differentiate it numerically");
   std::vector<std::pair<Edge, Tensor>> root_inputs;
   for (size_t i = 0; i < roots.size(); ++i) {
     const Tensor& r = roots[i];
@@ -166,6 +170,10 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
     }
     TANDEM_CHECK(g.shape() == r.shape(), ShapeError, "backward: gradient shape {} does not match output shape {}",
                  shape_str(g.shape()), shape_str(r.shape()));
+    TANDEM_CHECK(is_floating(g.dtype()), DTypeError,
+                 "backward: the gradient of output {} has dtype {}; expected a floating-point gradient", i,
+                 dtype_name(g.dtype()));
+    if (g.dtype() != r.dtype()) g = g.detach().to(r.dtype());  // PyTorch casts it to the output's dtype
     root_inputs.emplace_back(gradient_edge(r), std::move(g));
   }
 
@@ -188,6 +196,52 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
     }
   }
 
+  // ---- autograd::grad: only nodes from which an input is reached run ----
+  // needed: the node is an input's or leads to one; a needed node runs (apply) only when one of
+  // its next nodes is needed (an input's node is captured on arrival, its own graph left alone).
+  std::unordered_map<Node*, bool> needed;
+  if (captures != nullptr) {
+    // Post-order without recursion (graphs may be deep): a node is decided once all its next
+    // nodes are.
+    std::vector<std::pair<Node*, size_t>> stack;  // node, next edge to look at
+    for (auto& [edge, g] : root_inputs) {
+      if (needed.count(edge.fn.get())) continue;
+      needed[edge.fn.get()] = captures->count(edge.fn.get()) > 0;
+      stack.emplace_back(edge.fn.get(), 0);
+      while (!stack.empty()) {
+        auto& [n, next] = stack.back();
+        if (next < n->next_edges().size()) {
+          const Edge& e = n->next_edges()[next++];
+          if (e.valid() && !needed.count(e.fn.get())) {
+            needed[e.fn.get()] = captures->count(e.fn.get()) > 0;
+            stack.emplace_back(e.fn.get(), 0);
+          }
+          continue;
+        }
+        bool need = needed[n];
+        for (const Edge& e : n->next_edges()) need = need || (e.valid() && needed[e.fn.get()]);
+        needed[n] = need;
+        stack.pop_back();
+      }
+    }
+    // Recount the entering edges over the needed part only.
+    deps.clear();
+    for (const auto& [n, need] : needed) {
+      if (!need) continue;
+      for (const Edge& e : n->next_edges()) {
+        if (e.valid() && needed.at(e.fn.get())) deps[e.fn.get()]++;
+      }
+    }
+  }
+  const auto is_needed = [&](Node* n) { return captures == nullptr || needed[n]; };
+  const auto runs = [&](Node* n) {
+    if (captures == nullptr) return true;
+    for (const Edge& e : n->next_edges()) {
+      if (e.valid() && needed[e.fn.get()]) return true;
+    }
+    return false;
+  };
+
   // ---- execution ----
   std::unordered_map<Node*, std::vector<Tensor>> buffers;
   auto buffer_of = [&](Node* n) -> std::vector<Tensor>& {
@@ -199,6 +253,7 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
   for (auto& [edge, g] : root_inputs) add_into(buffer_of(edge.fn.get())[edge.input_nr], std::move(g));
   for (auto& [edge, g] : root_inputs) {
     Node* n = edge.fn.get();
+    if (!is_needed(n)) continue;
     if (deps[n] == 0) {
       deps[n] = -1;  // queued
       ready.push(n);
@@ -213,19 +268,32 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
     std::vector<Tensor> inputs = std::move(buffers[n]);
     buffers.erase(n);
     if (inputs.size() < n->num_outputs()) inputs.resize(n->num_outputs());
-    for (auto& [handle, hook] : n->pre_hooks()) {
-      auto& [slot, fn] = hook;
-      if (slot < inputs.size() && inputs[slot].defined()) {
-        Tensor r = fn(inputs[slot]);
-        if (r.defined()) inputs[slot] = std::move(r);
+    // A copy: a hook may remove itself (or another) while they run.
+    if (!n->pre_hooks().empty()) {
+      const auto hooks = n->pre_hooks();
+      for (const auto& [handle, hook] : hooks) {
+        const auto& [slot, fn] = hook;
+        if (slot < inputs.size() && inputs[slot].defined()) {
+          Tensor r = fn(inputs[slot]);
+          if (!r.defined()) continue;
+          TANDEM_CHECK(r.shape() == inputs[slot].shape(), AutogradError,
+                       "a hook on an output of {} returned a gradient of shape {} for a tensor of shape {}; a hook "
+                       "must return a gradient of the same shape (or nothing)",
+                       n->name(), shape_str(r.shape()), shape_str(inputs[slot].shape()));
+          inputs[slot] = std::move(r);
+        }
       }
     }
     const bool is_accumulator = dynamic_cast<AccumulateGrad*>(n) != nullptr;
     if (captures != nullptr) {
       if (auto it = captures->find(n); it != captures->end()) {
+        // A leaf input's own tensor hooks apply to its gradient, as in backward.
+        if (auto* acc = dynamic_cast<AccumulateGrad*>(n); acc != nullptr && !inputs.empty() && inputs[0].defined()) {
+          inputs[0] = acc->run_leaf_hooks(std::move(inputs[0]));
+        }
         for (auto [slot, index] : it->second) (*captured)[index] = inputs[slot];
       }
-      if (is_accumulator) continue;  // autograd::grad never touches grad()
+      if (is_accumulator || !runs(n)) continue;  // autograd::grad never touches grad(), nor goes past inputs
     }
     std::vector<detail::DestinationOffer> offers;
     const bool may_offer = detail::live_grad_destinations() > 0 || detail::live_widening_casts() > 0;
@@ -242,6 +310,7 @@ void run(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in, 
     for (size_t i = 0; i < edges.size(); ++i) {
       const Edge& e = edges[i];
       if (!e.valid()) continue;
+      if (!is_needed(e.fn.get())) continue;
       if (i < outputs.size()) add_into(buffer_of(e.fn.get())[e.input_nr], std::move(outputs[i]));
       if (--deps[e.fn.get()] == 0) ready.push(e.fn.get());
     }
@@ -265,7 +334,7 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 }
 
 std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-                         const std::vector<Tensor>& grad_outputs, bool retain_graph) {
+                         const std::vector<Tensor>& grad_outputs, bool retain_graph, bool allow_unused) {
   Captures captures;
   for (size_t i = 0; i < inputs.size(); ++i) {
     Edge e = gradient_edge(inputs[i]);
@@ -274,6 +343,12 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
   }
   std::vector<Tensor> result(inputs.size());
   run(outputs, grad_outputs, retain_graph, false, &captures, &result);
+  for (size_t i = 0; i < inputs.size() && !allow_unused; ++i) {
+    TANDEM_CHECK(result[i].defined(), AutogradError,
+                 "autograd::grad: input {}{} does not appear to have been used in the graph; pass allow_unused=true "
+                 "if that is expected (its gradient is then undefined)",
+                 i, inputs[i].name().empty() ? "" : " (\"" + inputs[i].name() + "\")");
+  }
   return result;
 }
 

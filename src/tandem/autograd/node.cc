@@ -81,21 +81,31 @@ void Node::set_widening_cast_from(DType from) {
 
 AccumulateGrad::AccumulateGrad(std::weak_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
 
+Tensor AccumulateGrad::run_leaf_hooks(Tensor g) const {
+  std::shared_ptr<TensorImpl> impl = leaf_.lock();
+  if (!impl || impl->autograd->leaf_hooks.empty()) return g;
+  const auto hooks = impl->autograd->leaf_hooks;  // a copy: a hook may remove itself
+  for (const auto& [handle, hook] : hooks) {
+    Tensor r = hook(g);
+    if (r.defined()) g = std::move(r);
+  }
+  return g;
+}
+
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
   std::shared_ptr<TensorImpl> impl = leaf_.lock();
   if (!impl || grads.empty() || !grads[0].defined()) return {};
   Tensor leaf(impl);
   AutogradMeta& meta = *impl->autograd;
-  Tensor g = std::move(grads[0]);
-  for (auto& [handle, hook] : meta.leaf_hooks) {
-    Tensor r = hook(g);
-    if (r.defined()) g = std::move(r);
-  }
+  // A leaf frozen (requires_grad_(false)) after the forward gets nothing (PyTorch returns early).
+  if (!meta.requires_grad) return {};
+  Tensor g = run_leaf_hooks(std::move(grads[0]));
   TANDEM_CHECK(g.shape() == leaf.shape(), AutogradError,
                "AccumulateGrad: gradient of shape {} does not match parameter{} of shape {}", shape_str(g.shape()),
                meta.name.empty() ? "" : " \"" + meta.name + "\"", shape_str(leaf.shape()));
   {
     NoGradGuard no_grad;
+    std::lock_guard<std::mutex> lock(meta.accumulate_mu);
     if (!meta.grad.defined()) {
       // Steal the buffer when nobody else holds it (the common case), else copy: another input
       // of the same op may have received this very tensor. A gradient produced in the leaf's
@@ -108,11 +118,19 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
       Tensor owned = in_destination || exclusive ? g.detach() : g.clone();
       if (owned.dtype() != leaf.dtype()) owned = owned.to(leaf.dtype());
       meta.grad = owned;
+    } else if (has_internal_overlap(meta.grad)) {
+      // An expanded grad (set by the caller): summed out of place, as PyTorch's AccumulateGrad.
+      Tensor sum = meta.grad.clone();
+      sum.add_(g);
+      meta.grad = sum;
     } else {
       meta.grad.add_(g);
     }
   }
-  for (auto& [handle, hook] : meta.post_acc_hooks) hook(leaf);
+  if (!meta.post_acc_hooks.empty()) {
+    const auto hooks = meta.post_acc_hooks;  // a copy: a hook may remove itself
+    for (const auto& [handle, hook] : hooks) hook(leaf);
+  }
   return {};
 }
 
@@ -140,6 +158,9 @@ Edge gradient_edge(const Tensor& t) {
   if (!meta) return {};
   if (meta->grad_fn) return {meta->grad_fn, meta->output_nr};
   if (!meta->requires_grad) return {};
+  // Made once: forwards on several threads may reach the same leaf first together.
+  static std::mutex made;
+  std::lock_guard<std::mutex> lock(made);
   if (!meta->grad_accumulator) meta->grad_accumulator = std::make_shared<AccumulateGrad>(t.impl_ptr());
   return {meta->grad_accumulator, 0};
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -89,6 +90,9 @@ struct AutogradMeta {
   // Leaves: where the next gradient should be produced (set_grad_destination), or undefined.
   Tensor grad_destination;
   std::string name;
+  // Leaves: serializes accumulation into grad when backward passes on several threads reach the
+  // same leaf (PyTorch locks there too).
+  std::mutex accumulate_mu;
 };
 
 // Accumulates a gradient into a leaf's grad(), running its hooks. Holds the leaf weakly.
@@ -96,6 +100,9 @@ class AccumulateGrad : public Node {
  public:
   explicit AccumulateGrad(std::weak_ptr<TensorImpl> leaf);
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
+  // The leaf's tensor hooks applied to `g` (apply() runs them before accumulating; autograd::grad
+  // before it captures a leaf's gradient). Returns `g` when the leaf is gone.
+  Tensor run_leaf_hooks(Tensor g) const;
   std::string name() const override { return "AccumulateGrad"; }
   // The leaf it accumulates into (may have expired). DDP walks graphs to find unused parameters.
   const std::weak_ptr<TensorImpl>& leaf() const { return leaf_; }

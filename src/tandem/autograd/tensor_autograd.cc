@@ -1,5 +1,6 @@
 // Tensor's autograd methods (declared in core/tensor.h).
 #include <atomic>
+#include <limits>
 
 #include "tandem/autograd/engine.h"
 #include "tandem/autograd/grad_mode.h"
@@ -41,16 +42,23 @@ void Tensor::set_grad(const Tensor& grad) const {
   if (grad.defined()) {
     TANDEM_CHECK(grad.shape() == shape(), ShapeError, "set_grad: gradient shape {} does not match tensor shape {}",
                  shape_str(grad.shape()), shape_str(shape()));
+    TANDEM_CHECK(grad.dtype() == dtype(), DTypeError,
+                 "set_grad: assigning a gradient of dtype {} to a tensor of dtype {}; convert it first (.to({}))",
+                 dtype_name(grad.dtype()), dtype_name(dtype()), dtype_name(dtype()));
   }
   autograd::autograd_meta(*this).grad = grad;
 }
 
 void Tensor::retain_grad() const {
+  TANDEM_CHECK(requires_grad(), AutogradError, "retain_grad: cannot retain the gradient of a tensor that does not "
+               "require grad");
   auto& meta = autograd::autograd_meta(*this);
   if (!meta.grad_fn || meta.retains_grad) return;
   meta.retains_grad = true;
   std::weak_ptr<TensorImpl> weak = impl_ptr();
-  const int64_t handle = next_hook_handle++;
+  // After every other hook on this output (PyTorch runs retains_grad hooks last): the handle
+  // sorts after any a register_hook gives.
+  const int64_t handle = std::numeric_limits<int64_t>::max() - static_cast<int64_t>(meta.output_nr);
   meta.grad_fn->pre_hooks()[handle] = {meta.output_nr, [weak](const Tensor& g) {
                                          if (auto impl = weak.lock()) {
                                            auto& m = *impl->autograd;

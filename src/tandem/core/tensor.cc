@@ -10,6 +10,36 @@
 
 namespace tandem {
 
+bool has_internal_overlap(const Tensor& t) {
+  if (t.numel() == 0) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.strides()[d] == 0 && t.shape()[d] > 1) return true;
+  }
+  return false;
+}
+
+bool has_partial_overlap(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  if (a.storage() != b.storage()) return false;
+  // The byte ranges each touches (strides of views are >= 0 here).
+  auto range = [](const Tensor& t) {
+    int64_t lo = t.offset(), hi = t.offset();
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t span = (t.shape()[d] - 1) * t.strides()[d];
+      if (span < 0) lo += span;
+      else hi += span;
+    }
+    const int64_t item = static_cast<int64_t>(element_size(t.dtype()));
+    return std::pair<int64_t, int64_t>{lo * item, (hi + 1) * item};
+  };
+  const auto [alo, ahi] = range(a);
+  const auto [blo, bhi] = range(b);
+  if (ahi <= blo || bhi <= alo) return false;
+  const bool same = a.offset() == b.offset() && a.shape() == b.shape() && a.strides() == b.strides() &&
+                    a.dtype() == b.dtype();
+  return !same;
+}
+
 std::string shape_str(const Shape& s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);

@@ -142,6 +142,14 @@ class Tensor {
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 std::string shape_str(const Shape& s);  // "[2, 3]"
+// Whether writing `t` element by element would write some memory location twice: a dimension of
+// stride 0 and size > 1 (an expand()ed view). PyTorch's has_internal_overlap for the cases it
+// can decide; other layouts are assumed not to overlap.
+bool has_internal_overlap(const Tensor& t);
+// Whether `a` and `b` share some but not all of their memory (PyTorch's partial overlap: reading
+// one while writing the other element by element gives order-dependent results). The same view
+// twice is full overlap, not partial.
+bool has_partial_overlap(const Tensor& a, const Tensor& b);
 
 // Row-major strides of a contiguous tensor of this shape.
 Shape contiguous_strides(const Shape& shape);

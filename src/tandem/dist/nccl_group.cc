@@ -21,6 +21,7 @@ std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<Store>, int, int, 
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -71,6 +72,39 @@ struct InFlight {
   Clock::time_point deadline;
 };
 
+// Sets the current device for a scope and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// One GPU per process, the same for every group it makes (a subgroup's rank is not the process's
+// place on its node): the local rank the launcher gives (LOCAL_RANK of torchrun/tandem run,
+// OMPI_COMM_WORLD_LOCAL_RANK of mpirun, SLURM_LOCALID of srun), else the global rank, else the
+// first group's rank, modulo the visible devices. Chosen once per process.
+int process_device(int group_rank, int devices) {
+  static std::mutex mu;
+  static int chosen = -1;
+  std::lock_guard lock(mu);
+  if (chosen < 0) {
+    const LaunchEnv env = read_launch_env();
+    const int r = env.local_rank >= 0 ? env.local_rank : env.rank >= 0 ? env.rank : group_rank;
+    chosen = r % devices;
+  }
+  return chosen;
+}
+
 class NcclGroup final : public ProcessGroup {
  public:
   NcclGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
@@ -80,10 +114,10 @@ class NcclGroup final : public ProcessGroup {
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
       throw CommError("nccl backend: no CUDA device is visible to this process; run on a GPU machine or use the shm/mpi backend");
     }
-    // One GPU per process: LOCAL_RANK (torchrun, tandem run) picks it, else the rank.
-    const char* local = std::getenv("LOCAL_RANK");
-    device_ = (local != nullptr ? std::atoi(local) : rank) % devices;
-    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+    device_ = process_device(rank, devices);
+    // The caller's current device is left as it was (PyTorch's device guard): a group's GPU is
+    // set on this thread only while the constructor needs it, and on the progress thread.
+    DeviceGuard guard(device_);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
 
     // Rank 0 makes the unique id; the others read it from the store (within the store's timeout).
@@ -289,12 +323,15 @@ class NcclGroup final : public ProcessGroup {
     });
   }
 
-  // Device memory on this group's GPU (NCCL's "zero-copy" is any device buffer).
+  // The contract is memory the caller reads and writes from the CPU (DDP's buckets, the model
+  // averager's flat buffers, tandem bench): device memory there was a wild write, and host memory
+  // is no NCCL buffer. Refused, naming what works.
   std::shared_ptr<void> allocate(size_t bytes) override {
-    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-    void* p = nullptr;
-    check_cuda(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "cudaMalloc");
-    return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+    throw ValueError(fmt::format(
+        "nccl backend: allocate({} bytes) is for CPU-side buffers (DDP's gradient buckets, the model averager), "
+        "which NCCL cannot reduce; Tandem trains on CPU tensors, so use the shm, gloo or mpi backend for them. "
+        "NCCL collectives take device buffers (Buffer with device cuda:N) you allocate with cudaMalloc",
+        bytes));
   }
 
  private:
@@ -351,6 +388,9 @@ class NcclGroup final : public ProcessGroup {
       }
       // The group's stream does not synchronize with the default stream: make it wait for
       // whatever the caller queued there before issuing (copies into the buffers, kernels).
+      // On this group's device, whatever device the calling thread is on (a new thread starts on
+      // device 0): the event must follow the work queued on this GPU's default stream.
+      DeviceGuard guard(device_);
       cudaEvent_t ready = nullptr;
       if (cudaEventCreateWithFlags(&ready, cudaEventDisableTiming) != cudaSuccess ||
           cudaEventRecord(ready, cudaStreamLegacy) != cudaSuccess) {
@@ -413,8 +453,14 @@ class NcclGroup final : public ProcessGroup {
           check_cuda(cudaEventRecord(ev, stream_), "cudaEventRecord");
           in_flight.push_back(InFlight{t.work, ev, Clock::now() + timeout()});
         } catch (...) {
-          // This one fails with its own error; everything outstanding fails after it.
+          // This one fails with its own error; everything outstanding fails after it. The
+          // communicator is aborted (as every other error path does), so that collectives
+          // already on the GPU stop instead of spinning with nothing left to time them out.
           t.work->finish(std::current_exception());
+          if (comm_ != nullptr) {
+            ncclCommAbort(comm_);
+            comm_ = nullptr;
+          }
           fail_all(in_flight, fmt::format("{} could not be enqueued", t.work->description()), nullptr);
         }
       }

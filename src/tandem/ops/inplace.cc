@@ -10,15 +10,32 @@ namespace {
 
 void check_inplace(const Tensor& t, const char* op) {
   TANDEM_CHECK(!(autograd::is_grad_enabled() && t.requires_grad()), AutogradError,
-               "{}: a tensor that requires grad{} is being used in an in-place operation; wrap the update in "
-               "NoGradGuard",
-               op, t.name().empty() ? "" : " (\"" + t.name() + "\")");
+               "{}: a tensor that requires grad{} is being used in an in-place operation; in-place operations "
+               "record no autograd history. {}",
+               op, t.name().empty() ? "" : " (\"" + t.name() + "\")",
+               t.is_leaf() ? "To update a parameter, wrap the update in NoGradGuard"
+                           : "Use the out-of-place operation instead (y = y * 3, not y.mul_(3)): under NoGradGuard "
+                             "the backward would not see the change and its gradients would be wrong");
+  // PyTorch: "unsupported operation: more than one element of the written-to tensor refers to a
+  // single memory location" (an expand()ed view would be written several times per element).
+  TANDEM_CHECK(!has_internal_overlap(t), ValueError,
+               "{}: more than one element of the written-to tensor (shape {}, strides {}) refers to a single memory "
+               "location; clone() it first",
+               op, shape_str(t.shape()), shape_str(t.strides()));
+}
+
+void check_source(const Tensor& dst, const Tensor& src, const char* op) {
+  TANDEM_CHECK(!has_partial_overlap(dst, src), ValueError,
+               "{}: some elements of the input tensor and the written-to tensor refer to a single memory location "
+               "(they overlap in part); clone() the input first",
+               op);
 }
 
 }  // namespace
 
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
+  check_source(*this, src, "copy_");
   kernels::copy_into(*this, src);
   return *this;
 }
@@ -41,6 +58,7 @@ Tensor& Tensor::zero_() {
 
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
   check_inplace(*this, "add_");
+  check_source(*this, other, "add_");
   const Tensor o = other.dtype() == dtype() ? other : other.detach().to(dtype());
   const Shape ost = kernels::broadcast_strides(o, shape(), "add_");
   TANDEM_DISPATCH_FLOATING(dtype(), "add_", [&] {
