@@ -143,3 +143,28 @@ TEST(Parallel, SetNumThreadsValidates) {
   EXPECT_EQ(refused.load(), 2);
   EXPECT_EQ(td::get_num_threads(), 2);
 }
+
+// set_num_threads while another thread is inside parallel_for: the resize waits for the running
+// job (it used to stop workers halfway through it, and the job waited forever). Every job still
+// covers its whole range exactly once.
+TEST(Parallel, ResizingWhileAnotherThreadRunsJobsNeitherHangsNorLosesChunks) {
+  const int before = td::get_num_threads();
+  std::atomic<bool> stop{false};
+  std::atomic<int> bad{0}, jobs{0};
+  std::thread runner([&] {
+    while (!stop.load()) {
+      std::vector<int> hits(64, 0);
+      td::parallel_for(0, 64, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) ++hits[static_cast<size_t>(i)];
+      });
+      if (std::any_of(hits.begin(), hits.end(), [](int h) { return h != 1; })) ++bad;
+      ++jobs;
+    }
+  });
+  for (int i = 0; i < 100; ++i) td::set_num_threads(i % 2 == 0 ? 3 : 2);
+  stop = true;
+  runner.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(jobs.load(), 0);
+  td::set_num_threads(before);
+}

@@ -221,7 +221,7 @@ TEST(TensorFactory, ZerosOnesFullArange) {
   EXPECT_EQ(td::arange(0, 1, 0.25, td::kFloat32).to_vector(), (std::vector<double>{0, 0.25, 0.5, 0.75}));
   EXPECT_EQ(td::arange(1, 0, -0.25, td::kFloat64).to_vector(), (std::vector<double>{1, 0.75, 0.5, 0.25}));
   EXPECT_EQ(td::arange(2, 9, 3).to_vector(), (std::vector<double>{2, 5, 8}));
-  EXPECT_EQ(td::arange(3, 1).numel(), 0);
+  EXPECT_THROW(td::arange(3, 1), td::ValueError);  // PyTorch: bounds inconsistent with the step sign
   EXPECT_THROW(td::arange(0, 1, 0), td::ValueError);
 }
 
@@ -337,4 +337,53 @@ TEST(TensorPrint, ToStringShowsValuesShapeDtype) {
   EXPECT_NE(os.str().find("shape=[]"), std::string::npos) << os.str();
   EXPECT_EQ(Tensor().to_string(), "Tensor(undefined)");
   EXPECT_EQ(td::shape_str({2, 3}), "[2, 3]");
+}
+
+// Shapes whose element or byte count overflows are errors, not tiny buffers behind huge shapes
+// (PyTorch: "numel: integer multiplication overflow"); a request past any size class is an error,
+// not an endless loop in the allocator; negative sizes are errors in every factory.
+TEST(TensorSafety, OverflowingOrNegativeShapesAreErrors) {
+  EXPECT_THROW(td::empty({int64_t{1} << 62}), td::ShapeError);  // 2^64 bytes of f32
+  EXPECT_THROW(td::zeros({int64_t{1} << 32, int64_t{1} << 32}), td::ShapeError);
+  EXPECT_THROW(td::empty({3, int64_t{1} << 62}), td::ShapeError);
+  EXPECT_THROW(td::empty_strided({-1}, {1}), td::ShapeError);
+  EXPECT_EQ(td::zeros({0, int64_t{1} << 62}).numel(), 0);  // no elements: no overflow
+  EXPECT_THROW(td::ones({1}).expand({-2}), td::ShapeError);
+  EXPECT_THROW(td::ones({1}).expand({-5, 1}), td::ShapeError);
+}
+
+// A 0-d tensor has no dimension to index: size(0), select, narrow and transpose(5, 7) are errors
+// (size(0) read past an empty shape and crashed).
+TEST(TensorSafety, ZeroDimTensorsHaveNoDimensionsToIndex) {
+  const Tensor s = td::scalar_tensor(3);
+  EXPECT_THROW(s.size(0), td::ShapeError);
+  EXPECT_THROW(s.stride(-1), td::ShapeError);
+  EXPECT_THROW(s.select(0, 0), td::ShapeError);
+  EXPECT_THROW(s.narrow(0, 0, 1), td::ShapeError);
+  EXPECT_THROW(s.transpose(5, 7), td::ShapeError);
+  EXPECT_EQ(s.transpose(0, -1).item(), 3.0);
+}
+
+// Literal values are checked as PyTorch's factories check them, integers come out of item()
+// exactly, and arange refuses ranges it cannot produce.
+TEST(TensorSafety, LiteralsItemAndArangeAreChecked) {
+  EXPECT_THROW(td::full({2}, std::nan(""), td::kInt64), td::ValueError);
+  EXPECT_THROW(td::full({2}, 1e10, td::kInt32), td::ValueError);
+  EXPECT_THROW(td::full({2}, 300, td::kUInt8), td::ValueError);
+  EXPECT_THROW(td::full({2}, 1e300, td::kFloat32), td::ValueError);
+  EXPECT_THROW(td::tensor(std::vector<double>{3e9}, {1}, td::kInt32), td::ValueError);
+  EXPECT_EQ(td::full({1}, -1, td::kUInt8).item(), 255.0);  // PyTorch wraps negatives into uint8
+  EXPECT_TRUE(std::isinf(td::full({1}, INFINITY, td::kFloat32).item()));
+  EXPECT_EQ(td::full({1}, 2.7, td::kInt64).item<int64_t>(), 2);
+
+  const int64_t big = (int64_t{1} << 53) + 1;
+  EXPECT_EQ(td::tensor(std::vector<int64_t>{big}, {1}).item<int64_t>(), big);  // not rounded through a double
+  EXPECT_THROW(td::scalar_tensor(std::nan("")).item<int64_t>(), td::ValueError);
+  EXPECT_THROW(td::scalar_tensor(300).item<uint8_t>(), td::ValueError);
+
+  EXPECT_THROW(td::arange(5, 0), td::ValueError);
+  EXPECT_THROW(td::arange(0, INFINITY), td::ValueError);
+  EXPECT_THROW(td::arange(0, std::nan("")), td::ValueError);
+  EXPECT_EQ(td::arange(3, 0, -1, td::kInt64).to_vector(), (std::vector<double>{3, 2, 1}));
+  EXPECT_EQ(td::arange(2, 2).numel(), 0);
 }

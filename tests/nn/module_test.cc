@@ -391,3 +391,43 @@ TEST(Module, WrapperPrefixMismatchNamesTheFixAndConsumingThePrefixLoads) {
   nn::consume_prefix_in_state_dict_if_present(mixed, "module.");
   EXPECT_EQ(names(mixed), (std::vector<std::string>{"a", "b", "modulex.c"}));
 }
+
+// A BatchNorm checkpoint without num_batches_tracked (old torchvision weights) loads strictly, as
+// in PyTorch, keeping the counter; other missing keys are still errors.
+TEST(Module, BatchNormCheckpointWithoutNumBatchesTrackedLoadsStrictly) {
+  nn::BatchNorm2d bn(3);
+  bn.num_batches_tracked.fill_(5.0);
+  td::nn::StateDict sd;
+  for (const auto& [name, t] : bn.state_dict()) {
+    if (name != "num_batches_tracked") sd.emplace_back(name, td::full(t.shape(), 2.0, t.dtype()));
+  }
+  bn.load_state_dict(sd);
+  EXPECT_EQ(bn.running_mean.to_vector(), (std::vector<double>{2, 2, 2}));
+  EXPECT_EQ(bn.num_batches_tracked.item(), 5.0);
+  sd.erase(sd.begin());  // "weight"
+  EXPECT_THROW(bn.load_state_dict(sd), td::ValueError);
+}
+
+// init functions refuse what PyTorch refuses: an empty range, a negative std, integer tensors.
+TEST(Init, BadArgumentsAreErrors) {
+  Tensor f = td::zeros({4});
+  Tensor i = td::zeros({4}, td::kInt64);
+  EXPECT_THROW(nn::init::uniform_(f, 1.0, 0.0), td::ValueError);
+  EXPECT_THROW(nn::init::normal_(f, 0.0, -1.0), td::ValueError);
+  EXPECT_THROW(nn::init::normal_(i, 0.0, 1.0), td::DTypeError);
+  EXPECT_THROW(nn::init::uniform_(i, 0.0, 1.0), td::DTypeError);
+}
+
+// GPT.generate refuses float token ids (truncated before) and non-finite probabilities (a diverged
+// model "sampled" the last token every time).
+TEST(Gpt, GenerateRefusesFloatIdsAndNonFiniteProbabilities) {
+  auto gpt = nn::models::gpt({.vocab_size = 16, .context = 4, .n_layer = 1, .d_model = 8, .n_head = 2});
+  EXPECT_THROW(gpt->generate(td::tensor(std::vector<double>{1.7, 2.2}, {1, 2}), 1), td::DTypeError);
+  EXPECT_EQ(gpt->generate(td::tensor(std::vector<int64_t>{1, 2}, {1, 2}), 2).size(1), 4);
+  {
+    td::NoGradGuard no_grad;
+    for (auto& [name, p] : gpt->named_parameters()) p.fill_(NAN);
+  }
+  EXPECT_THROW(gpt->generate(td::tensor(std::vector<int64_t>{1, 2}, {1, 2}), 1), td::ValueError);
+}
+

@@ -147,5 +147,69 @@ TEST(OpsErrors, BadArguments) {
   EXPECT_TANDEM_THROW(x.slice(1, 0, 3, -1), ValueError, {"step", "-1"});
 }
 
+// Sums over an empty reduced dim are zeros (the leading-dims path left its output unwritten, so a
+// bias gradient of an empty batch was garbage); the mean of nothing is NaN.
+TEST(OpsEdgeCases, EmptyReductionsAreZerosAndEmptyBatchesGiveZeroBiasGradients) {
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    Tensor junk = full({4}, 7.0);  // recycled memory must not show through
+    junk = Tensor();
+    EXPECT_EQ(ops::sum(zeros({0, 4}), {0}).to_vector(), (std::vector<double>{0, 0, 0, 0}));
+    EXPECT_EQ(ops::sum(zeros({0})).item(), 0.0);
+    EXPECT_TRUE(std::isnan(ops::mean(zeros({0})).item()));
+    Tensor b = zeros({4});
+    b.requires_grad_(true);
+    ops::sum(ops::add(zeros({0, 4}), b)).backward();
+    EXPECT_EQ(b.grad().to_vector(), (std::vector<double>{0, 0, 0, 0}));
+  }
+}
+
+// Ops that index a dimension refuse 0-d tensors with an error (they crashed).
+TEST(OpsEdgeCases, DimensionOpsOnZeroDimTensorsAreErrors) {
+  EXPECT_THROW(ops::cat({scalar_tensor(1), scalar_tensor(2)}, 0), ShapeError);
+  EXPECT_THROW(ops::split(scalar_tensor(5), 1), ShapeError);
+}
+
+// relu passes NaN (PyTorch's clamp_min), so a diverging activation stays visible; the fused
+// BatchNorm+ReLU does the same.
+TEST(OpsEdgeCases, ReluPassesNan) {
+  const std::vector<double> r = ops::relu(f64({NAN, -1, 0, 2}, {4})).to_vector();
+  EXPECT_TRUE(std::isnan(r[0]));
+  EXPECT_EQ(std::vector<double>(r.begin() + 1, r.end()), (std::vector<double>{0, 0, 2}));
+  Tensor x = zeros({2, 3});
+  x.data_ptr<float>()[1] = NAN;
+  const Tensor y = ops::batch_norm_relu(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5);
+  EXPECT_TRUE(std::isnan(y.to_vector()[1]) || std::isnan(y.to_vector()[4]));
+}
+
+// max(x) over everything shares the gradient among tied maxima (PyTorch's
+// evenly_distribute_backward); max(x, dim) gives it to the first, as before.
+TEST(OpsEdgeCases, FullMaxSharesTheGradientAmongTies) {
+  Tensor p = f64({2, 5, 5, 1}, {4});
+  p.requires_grad_(true);
+  ops::max(p).backward();
+  EXPECT_EQ(p.grad().to_vector(), (std::vector<double>{0, 0.5, 0.5, 0}));
+}
+
+// embedding's padding_idx as F.embedding's: negative counts from the end, out of range is an error.
+TEST(OpsEdgeCases, EmbeddingPaddingIdxWrapsAndIsRangeChecked) {
+  Tensor w = zeros({4, 2}, kFloat64);
+  w.requires_grad_(true);
+  ops::sum(ops::embedding(w, i64({3, 3, 1}, {3}), -1)).backward();
+  EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{0, 0, 1, 1, 0, 0, 0, 0}));
+  EXPECT_THROW(ops::embedding(w, i64({1}, {1}), 7), ValueError);
+  EXPECT_THROW(ops::embedding(w, i64({1}, {1}), -5), ValueError);
+}
+
+// d/de x^e at x = 0 is 0 only for e >= 0; for e < 0 it is -inf (PyTorch's pow_backward_exponent).
+TEST(OpsEdgeCases, PowExponentGradientAtZeroBaseWithNegativeExponent) {
+  Tensor x = f64({0, 0}, {2});
+  Tensor e = f64({-1, 2}, {2});
+  e.requires_grad_(true);
+  ops::sum(ops::pow(x, e)).backward();
+  const std::vector<double> g = e.grad().to_vector();
+  EXPECT_TRUE(std::isinf(g[0]) && g[0] < 0) << g[0];
+  EXPECT_EQ(g[1], 0.0);
+}
+
 }  // namespace
 }  // namespace tandem

@@ -28,6 +28,9 @@ State& state() {
 size_t CpuAllocator::round_size(size_t nbytes) {
   if (nbytes <= 4096) return ((nbytes + kAlign - 1) / kAlign) * kAlign + (nbytes == 0 ? kAlign : 0);
   // Four classes per power of two above 4 KiB: at most 25% waste, few distinct classes.
+  // Past 2^62 bytes no class exists (p * 2 would wrap and the loop never end): a request that
+  // size cannot be met anyway.
+  TANDEM_CHECK(nbytes <= (size_t{1} << 62), Error, "CPU allocator: out of memory allocating {} bytes", nbytes);
   size_t p = 4096;
   while (p * 2 < nbytes) p *= 2;
   const size_t step = p / 4;

@@ -4,7 +4,9 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
+#include <cstring>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -19,8 +21,11 @@ namespace {
 
 int default_num_threads() {
   if (const char* s = std::getenv("TANDEM_NUM_THREADS"); s != nullptr && *s != '\0') {
-    const int n = std::atoi(s);
-    TANDEM_CHECK(n >= 1, ValueError, "TANDEM_NUM_THREADS={} is not a positive integer; set it to e.g. 1", s);
+    int n = 0;
+    const char* end = s + std::strlen(s);
+    const auto [ptr, ec] = std::from_chars(s, end, n);
+    TANDEM_CHECK(ec == std::errc() && ptr == end && n >= 1, ValueError,
+                 "TANDEM_NUM_THREADS={} is not a positive integer; set it to e.g. 1", s);
     return n;
   }
   int cores = static_cast<int>(std::thread::hardware_concurrency());
@@ -40,9 +45,11 @@ class Pool {
 
   int size() const { return size_; }
 
-  void resize(int n) {
+  // Returns "" or why not every worker could start (the pool then has the ones that did). Waits
+  // for a job another thread is running (its workers must not stop halfway through it).
+  std::string resize(int n) {
+    std::lock_guard<std::mutex> no_job(run_mu_);
     stop();
-    size_ = n;
     uint64_t current;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -51,15 +58,28 @@ class Pool {
     }
     // New workers start at the current generation: a job that already finished must not look
     // new to them (they would run it again through a dangling job_ pointer).
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i, current] { loop(i, current); });
+    std::string failure;
+    for (int i = 1; i < n; ++i) {
+      try {
+        workers_.emplace_back([this, i, current] { loop(i, current); });
+      } catch (const std::exception& e) {
+        failure = e.what();  // a process or memory limit: run with the workers that started
+        break;
+      }
+    }
+    size_ = 1 + static_cast<int>(workers_.size());
+    return failure;
   }
 
   void run(int nchunks, const std::function<void(int)>& chunk) {
     std::lock_guard<std::mutex> one_job_at_a_time(run_mu_);
     std::unique_lock<std::mutex> lock(mu_);
     job_ = &chunk;
-    nchunks_ = nchunks;
-    pending_ = nchunks - 1;
+    // Worker i runs chunk i; chunks no worker has (the pool shrank since the caller counted) run
+    // here after chunk 0.
+    const int by_workers = std::min(nchunks, size_);
+    nchunks_ = by_workers;
+    pending_ = by_workers - 1;
     error_ = nullptr;
     ++generation_;
     lock.unlock();
@@ -68,6 +88,7 @@ class Pool {
     try {
       in_parallel_region = true;
       chunk(0);
+      for (int i = by_workers; i < nchunks; ++i) chunk(i);
     } catch (...) {
       mine = std::current_exception();
     }
@@ -152,8 +173,12 @@ void set_num_threads(int n) {
   TANDEM_CHECK(!in_parallel_region, ValueError, "set_num_threads({}) called inside parallel_for", n);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(pool_mu);
-  if (p.size() != n) p.resize(n);
-  omp_set_num_threads(n);
+  const std::string failure = p.size() != n ? p.resize(n) : std::string();
+  omp_set_num_threads(p.size());
+  TANDEM_CHECK(failure.empty(), Error,
+               "set_num_threads({}): only {} threads could be started ({}); running with {}. Lower the count or raise "
+               "the process limit",
+               n, p.size(), failure, p.size());
 }
 
 int get_num_threads() { return pool().size(); }

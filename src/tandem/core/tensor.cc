@@ -58,7 +58,16 @@ Shape contiguous_strides(const Shape& shape) {
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    // An overflow would make a huge shape look small (a tiny buffer behind it); PyTorch: "numel:
+    // integer multiplication overflow". Shapes with a 0 anywhere have no elements.
+    if (__builtin_mul_overflow(n, s, &n)) {
+      for (int64_t z : shape) {
+        if (z == 0) return 0;
+      }
+      throw ShapeError(fmt::format("shape {} has more than 2^63 elements", shape_str(shape)));
+    }
+  }
   return n;
 }
 
@@ -69,8 +78,14 @@ int64_t wrap_dim(int64_t d, int64_t ndim, const char* op) {
   return d < 0 ? d + std::max<int64_t>(ndim, 1) : d;
 }
 
-int64_t Tensor::size(int64_t d) const { return shape()[wrap_dim(d, dim(), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return strides()[wrap_dim(d, dim(), "stride")]; }
+int64_t Tensor::size(int64_t d) const {
+  TANDEM_CHECK(dim() > 0, ShapeError, "size({}): a 0-d tensor has no dimensions", d);
+  return shape()[wrap_dim(d, dim(), "size")];
+}
+int64_t Tensor::stride(int64_t d) const {
+  TANDEM_CHECK(dim() > 0, ShapeError, "stride({}): a 0-d tensor has no dimensions", d);
+  return strides()[wrap_dim(d, dim(), "stride")];
+}
 int64_t Tensor::numel() const { return shape_numel(shape()); }
 
 bool Tensor::is_contiguous() const {
@@ -138,6 +153,22 @@ double Tensor::item_double() const {
   return to_vector()[0];
 }
 
+int64_t Tensor::item_int64() const {
+  TANDEM_CHECK(numel() == 1, ShapeError, "item(): expected a tensor with one element, got shape {}", shape_str(shape()));
+  const Tensor c = contiguous();
+  switch (dtype()) {
+    case kInt64: return *static_cast<const int64_t*>(c.data_ptr());
+    case kInt32: return *static_cast<const int32_t*>(c.data_ptr());
+    case kUInt8: return *static_cast<const uint8_t*>(c.data_ptr());
+    case kBool: return *static_cast<const uint8_t*>(c.data_ptr()) != 0;
+    default: break;
+  }
+  const double v = item_double();
+  TANDEM_CHECK(std::isfinite(v) && v >= -9223372036854775808.0 && v < 9223372036854775808.0, ValueError,
+               "item(): {} ({}) cannot be converted to an integer", v, dtype_name(dtype()));
+  return static_cast<int64_t>(v);
+}
+
 std::string Tensor::to_string() const {
   if (!defined()) return "Tensor(undefined)";
   std::ostringstream os;
@@ -193,10 +224,21 @@ Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset)
 
 // ---- factories ----
 
+// numel * element size in bytes, or ShapeError when it does not fit (PyTorch: "Storage size
+// calculation overflowed").
+static size_t checked_nbytes(const Shape& shape, DType dtype, const char* op) {
+  for (int64_t s : shape) TANDEM_CHECK(s >= 0, ShapeError, "{}: negative dimension in shape {}", op, shape_str(shape));
+  size_t bytes = 0;
+  TANDEM_CHECK(!__builtin_mul_overflow(static_cast<size_t>(shape_numel(shape)), tandem::element_size(dtype), &bytes) &&
+                   bytes <= (size_t{1} << 62),
+               ShapeError, "{}: shape {} of {} needs more bytes than can be allocated", op, shape_str(shape),
+               dtype_name(dtype));
+  return bytes;
+}
+
 Tensor empty(const Shape& shape, DType dtype) {
-  for (int64_t s : shape) TANDEM_CHECK(s >= 0, ShapeError, "empty: negative dimension in shape {}", shape_str(shape));
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = Storage::allocate(static_cast<size_t>(shape_numel(shape)) * tandem::element_size(dtype));
+  impl->storage = Storage::allocate(checked_nbytes(shape, dtype, "empty"));
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
@@ -207,7 +249,7 @@ Tensor empty_strided(const Shape& shape, const Shape& strides, DType dtype) {
   TANDEM_CHECK(shape.size() == strides.size(), ShapeError, "empty_strided: shape {} and strides {} differ in length",
                shape_str(shape), shape_str(strides));
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = Storage::allocate(static_cast<size_t>(shape_numel(shape)) * tandem::element_size(dtype));
+  impl->storage = Storage::allocate(checked_nbytes(shape, dtype, "empty_strided"));
   impl->shape = shape;
   impl->strides = strides;
   impl->dtype = dtype;
@@ -222,12 +264,40 @@ Tensor empty_like(const Tensor& x, DType dtype) {
   return empty(x.shape(), dtype);
 }
 
+// A literal value for `dtype`, checked as PyTorch's factories check it ("value cannot be converted
+// to type X without overflow"): an integer type takes a finite value in its range (uint8 also
+// negative ones, wrapped, as PyTorch does), fractions truncated; float32 a value within its range
+// or an infinity; the 16-bit floats round (to inf past their range, as PyTorch).
+static void check_literal(double value, DType dtype, const char* op) {
+  bool ok = true;
+  switch (dtype) {
+    case kInt64: ok = value >= -9223372036854775808.0 && value < 9223372036854775808.0; break;
+    case kInt32: ok = value > -2147483649.0 && value < 2147483648.0; break;
+    case kUInt8: ok = value >= -9223372036854775808.0 && value < 256.0; break;
+    case kFloat32: ok = std::isnan(value) || std::isinf(value) || std::abs(value) <= 3.4028235677973366e38; break;
+    default: break;
+  }
+  TANDEM_CHECK(ok, ValueError, "{}: value {} cannot be converted to {} without overflow", op, value, dtype_name(dtype));
+}
+
+// value as a scalar_t: integers through int64 (a negative double cast straight to uint8 is
+// undefined behaviour).
+template <class T>
+static T literal_as(double value) {
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    return static_cast<T>(static_cast<int64_t>(value));
+  } else {
+    return static_cast<T>(static_cast<compute_t<T>>(value));
+  }
+}
+
 Tensor full(const Shape& shape, double value, DType dtype) {
+  if (dtype != kBool) check_literal(value, dtype, "full");
   Tensor t = empty(shape, dtype);
   const int64_t n = t.numel();
   TANDEM_DISPATCH_ALL(dtype, "full", [&] {
     auto* p = static_cast<scalar_t*>(t.data_ptr());
-    const scalar_t v = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>(value));
+    const scalar_t v = literal_as<scalar_t>(value);
     for (int64_t i = 0; i < n; ++i) p[i] = v;
   });
   return t;
@@ -245,7 +315,13 @@ Tensor arange(double end, DType dtype) { return arange(0.0, end, 1.0, dtype); }
 
 Tensor arange(double start, double end, double step, DType dtype) {
   TANDEM_CHECK(step != 0.0, ValueError, "arange: step must be non-zero");
-  const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
+  TANDEM_CHECK(std::isfinite(start) && std::isfinite(end) && std::isfinite(step), ValueError,
+               "arange: unsupported range: {} -> {} (step {}); bounds and step must be finite", start, end, step);
+  TANDEM_CHECK((step > 0 && end >= start) || (step < 0 && end <= start), ValueError,
+               "arange: upper bound ({}) and lower bound ({}) inconsistent with the step sign ({})", end, start, step);
+  const double count = std::ceil((end - start) / step);
+  TANDEM_CHECK(count < 9.0e18, ValueError, "arange: {} -> {} in steps of {} has too many elements", start, end, step);
+  const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(count));
   Tensor t = empty({n}, dtype);
   TANDEM_DISPATCH_ALL(dtype, "arange", [&] {
     auto* p = static_cast<scalar_t*>(t.data_ptr());
@@ -338,7 +414,20 @@ Tensor tensor(const std::vector<double>& values, const Shape& shape, DType dtype
   TANDEM_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape), ShapeError,
                "tensor: {} values do not fill shape {} ({} elements)", values.size(), shape_str(shape), shape_numel(shape));
   Tensor t = empty(shape, dtype);
-  convert(values.data(), kFloat64, t.data_ptr(), dtype, t.numel());
+  if (dtype == kBool || is_floating(dtype)) {
+    for (double v : values) {
+      if (dtype != kBool) check_literal(v, dtype, "tensor");
+    }
+    convert(values.data(), kFloat64, t.data_ptr(), dtype, t.numel());
+  } else {
+    TANDEM_DISPATCH_ALL(dtype, "tensor", [&] {
+      auto* p = static_cast<scalar_t*>(t.data_ptr());
+      for (size_t i = 0; i < values.size(); ++i) {
+        check_literal(values[i], dtype, "tensor");
+        p[i] = literal_as<scalar_t>(values[i]);
+      }
+    });
+  }
   return t;
 }
 

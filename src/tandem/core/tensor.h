@@ -8,8 +8,10 @@
 #include <functional>
 #include <initializer_list>
 #include <iosfwd>
+#include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tandem/core/dtype.h"
@@ -74,8 +76,21 @@ class Tensor {
     return static_cast<T*>(data_ptr());
   }
   // The single element of a one-element tensor, converted.
-  template <class T = double> T item() const { return static_cast<T>(item_double()); }
+  // Integers come out exactly (through int64, not a double: 2^53 + 1 stays itself); a float that
+  // is NaN or out of the integer's range is a ValueError.
+  template <class T = double> T item() const {
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      const int64_t v = item_int64();
+      TANDEM_CHECK(v >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                       (std::is_same_v<T, uint64_t> || v <= static_cast<int64_t>(std::numeric_limits<T>::max())),
+                   ValueError, "item(): {} does not fit the requested integer type", v);
+      return static_cast<T>(v);
+    } else {
+      return static_cast<T>(item_double());
+    }
+  }
   double item_double() const;
+  int64_t item_int64() const;
   // Contents as doubles in row-major order (for tests and printing).
   std::vector<double> to_vector() const;
   std::string to_string() const;

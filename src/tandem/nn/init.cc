@@ -7,6 +7,8 @@
 namespace tandem::nn::init {
 
 void uniform_(Tensor& t, double a, double b, Generator* gen) {
+  TANDEM_CHECK(is_floating(t.dtype()), DTypeError, "uniform_: not implemented for {} tensors", dtype_name(t.dtype()));
+  TANDEM_CHECK(a <= b, ValueError, "uniform_ expects a [from, to) range, but found from={} > to={}", a, b);
   NoGradGuard no_grad;
   Tensor u = rand(t.shape(), kFloat64, gen);
   u.mul_(b - a);
@@ -16,6 +18,8 @@ void uniform_(Tensor& t, double a, double b, Generator* gen) {
 }
 
 void normal_(Tensor& t, double mean, double std, Generator* gen) {
+  TANDEM_CHECK(is_floating(t.dtype()), DTypeError, "normal_: not implemented for {} tensors", dtype_name(t.dtype()));
+  TANDEM_CHECK(std >= 0, ValueError, "normal_ expects std >= 0.0, got {}", std);
   NoGradGuard no_grad;
   Tensor n = randn(t.shape(), kFloat64, gen);
   n.mul_(std);

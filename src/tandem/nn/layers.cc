@@ -70,7 +70,9 @@ Embedding::Embedding(int64_t num, int64_t dim, std::optional<int64_t> pad, DType
   }
 }
 
-Tensor Embedding::forward(const Tensor& indices) { return ops::embedding(weight, indices, padding_idx); }
+Tensor Embedding::forward(const Tensor& indices) {
+  return ops::embedding(weight, indices, padding_idx >= 0 ? std::optional<int64_t>(padding_idx) : std::nullopt);
+}
 
 std::string Embedding::extra_repr() const {
   std::string s = fmt::format("{}, {}", num_embeddings, embedding_dim);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <set>
 #include <optional>
 #include <sstream>
 
@@ -257,11 +258,15 @@ IncompatibleKeys Module::load_state_dict(const StateDict& state, bool strict) {
   std::map<std::string, const Tensor*> given;
   for (const auto& [name, t] : state) given[name] = &t;
   // ---- validate everything first, so a bad file changes nothing ----
+  std::set<std::string> optional;
+  for (const auto& [prefix, m] : named_modules()) {
+    for (const std::string& k : m->optional_state_keys()) optional.insert(prefix.empty() ? k : prefix + "." + k);
+  }
   std::vector<std::string> missing, unexpected;
   for (const auto& [name, t] : mine) {
     auto it = given.find(name);
     if (it == given.end()) {
-      missing.push_back(name);
+      if (!optional.count(name)) missing.push_back(name);
       continue;
     }
     TANDEM_CHECK(it->second->defined(), ValueError, "load_state_dict: the checkpoint's \"{}\" is an undefined tensor",

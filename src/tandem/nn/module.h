@@ -98,6 +98,10 @@ class Module : public std::enable_shared_from_this<Module> {
   // The module tree printed as PyTorch's repr prints it (extra_repr() inside the parentheses).
   std::string to_string() const;
   virtual std::string extra_repr() const { return ""; }
+  // This module's own state_dict entries (local names) a checkpoint may lack: load_state_dict
+  // keeps their current values, also when strict (PyTorch's BatchNorm does so for
+  // num_batches_tracked, which checkpoints of old torchvision models do not hold).
+  virtual std::vector<std::string> optional_state_keys() const { return {}; }
 
  protected:
   void add_child(const std::string& name, std::shared_ptr<Module> m);

@@ -29,6 +29,7 @@ class BatchNorm : public Module {
   // relu(forward(x)) as one fused op (ops::batch_norm_relu): what a [BatchNorm, ReLU] pair runs.
   Tensor forward_relu(const Tensor& x);
   std::string extra_repr() const override;
+  std::vector<std::string> optional_state_keys() const override { return {"num_batches_tracked"}; }
   // The running-stats update factor of a training forward that just counted its batch in
   // num_batches_tracked: the momentum, or 1 / num_batches_tracked without one.
   double running_average_factor() const;

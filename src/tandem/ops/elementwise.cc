@@ -210,10 +210,11 @@ Tensor pow(const Tensor& x0, const Tensor& e0) {
       using T = decltype(gg);
       return b == T(0) ? T(0) : gg * b * std::pow(a, b - T(1));
     });
-    // d/de x^e = x^e log x, taken as 0 where x == 0 and e >= 0 (PyTorch's convention).
+    // d/de x^e = x^e log x, taken as 0 where x == 0 and e >= 0 (PyTorch's convention); there
+    // x^e is 0 or 1, while e < 0 makes it inf (and the gradient -inf, as PyTorch's).
     Tensor ge = kernels::ternary_op(g[0], x, y, "pow backward", [](auto gg, auto a, auto yy) {
       using T = decltype(gg);
-      return a == T(0) ? T(0) : gg * yy * std::log(a);
+      return a == T(0) && !std::isinf(static_cast<double>(yy)) ? T(0) : gg * yy * std::log(a);
     });
     return G{sum_to(gx, x.shape()), sum_to(ge, e.shape())};
   });
@@ -226,7 +227,8 @@ Tensor relu_backward(const Tensor& grad, const Tensor& result) {
 
 Tensor relu(const Tensor& x) {
   check_floating(x, "relu");
-  Tensor out = unary_op(x, "relu", [](auto v) { return v > decltype(v)(0) ? v : decltype(v)(0); });
+  // NaN passes through, as PyTorch's relu (clamp_min(x, 0)): a diverging activation stays visible.
+  Tensor out = unary_op(x, "relu", [](auto v) { return !(v <= decltype(v)(0)) ? v : decltype(v)(0); });
   record("ReluBackward", {x}, {out}, [y = out.detach()](const G& g) { return G{relu_backward(g[0], y)}; });
   return out;
 }

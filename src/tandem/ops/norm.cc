@@ -303,7 +303,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
           for (int64_t i = 0; i < l.inner; ++i) {
             const int64_t k = (o * C + c) * l.inner + i;
             py[k] = (px[k] - mean[c]) * invstd[c] * w[c] + b[c];
-            if (relu && !(py[k] > 0)) py[k] = 0;
+            if (relu && py[k] <= 0) py[k] = 0;  // NaN passes, as PyTorch's relu
           }
     } else {
       channel_affine<T>(l, static_cast<T*>(y.data_ptr()), px, nullptr, nullptr, scale, none, shift, relu);

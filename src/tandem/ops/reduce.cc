@@ -93,7 +93,21 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
 
 Tensor max(const Tensor& x) {
   TANDEM_CHECK(x.numel() > 0, ShapeError, "max: the input is empty (shape {})", shape_str(x.shape()));
-  return max(x.reshape({-1}), 0, false).first;
+  Tensor value = kernels::max_dim(x.detach().reshape({-1}), 0, false).first;
+  if (is_floating(x.dtype())) {
+    // PyTorch's evenly_distribute_backward: the gradient is shared equally by every element equal
+    // to the maximum (max(x, dim) gives it to the first one instead).
+    record("MaxBackward1", {x}, {value}, [xs = x.detach(), v = value.detach()](const G& g) {
+      Tensor mask = eq(xs, v).to(g[0].dtype());
+      double ties = sum(mask).item();
+      if (ties == 0) {  // the maximum is NaN: its NaN elements share the gradient
+        mask = sub(ones(xs.shape(), g[0].dtype()), eq(xs, xs).to(g[0].dtype()));
+        ties = sum(mask).item();
+      }
+      return G{mul(mask, div(g[0], scalar_tensor(ties, g[0].dtype())))};
+    });
+  }
+  return value;
 }
 
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {

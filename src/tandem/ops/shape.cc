@@ -134,7 +134,11 @@ Tensor Tensor::permute(Shape dims) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
-  if (dim() == 0) return *this;
+  if (dim() == 0) {
+    wrap_dim(d0, 0, "transpose");  // only -1 and 0 name the dimension of a 0-d tensor
+    wrap_dim(d1, 0, "transpose");
+    return *this;
+  }
   d0 = wrap_dim(d0, dim(), "transpose");
   d1 = wrap_dim(d1, dim(), "transpose");
   Shape perm(static_cast<size_t>(dim()));
@@ -195,12 +199,14 @@ Tensor Tensor::expand(Shape target) const {
   Shape st(target.size(), 0);
   for (size_t i = 0; i < target.size(); ++i) {
     if (i < lead) {
-      TANDEM_CHECK(target[i] >= 0, ShapeError, "expand: -1 is not allowed in a new leading dimension ({})",
-                   shape_str(target));
+      TANDEM_CHECK(target[i] >= 0, ShapeError, "expand: size {} is not allowed in a new leading dimension ({})",
+                   target[i], shape_str(target));
       continue;
     }
     const int64_t s = shape()[i - lead];
     if (target[i] == -1) target[i] = s;
+    TANDEM_CHECK(target[i] >= 0, ShapeError, "expand: the size {} of dimension {} is negative (only -1 keeps a size)",
+                 target[i], i);
     TANDEM_CHECK(s == target[i] || s == 1, ShapeError,
                  "expand: the size {} of dimension {} must match {} or be 1 (tensor {} to {})", s, i - lead, target[i],
                  shape_str(shape()), shape_str(target));
@@ -500,9 +506,17 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   return out;
 }
 
-Tensor embedding(const Tensor& weight, const Tensor& indices, int64_t padding_idx) {
+Tensor embedding(const Tensor& weight, const Tensor& indices, std::optional<int64_t> padding) {
   TANDEM_CHECK(weight.dim() == 2, ShapeError, "embedding: expected a 2-d weight (num_embeddings, dim), got {}",
                shape_str(weight.shape()));
+  int64_t padding_idx = -1;  // none
+  if (padding) {
+    const int64_t n = weight.size(0);
+    TANDEM_CHECK(*padding >= -n && *padding < n, ValueError,
+                 "embedding: padding_idx {} must be within num_embeddings ({}): expected {} <= padding_idx < {}",
+                 *padding, n, -n, n);
+    padding_idx = *padding < 0 ? *padding + n : *padding;
+  }
   const Tensor ix = index_as_i64(indices, "embedding").reshape({-1});
   check_indices(ix.data_ptr<int64_t>(), ix.numel(), weight.size(0), "embedding");
   Tensor rows;

@@ -2,6 +2,7 @@
 // All are differentiable.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "tandem/core/tensor.h"
@@ -22,6 +23,8 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 // weight[indices]: (num_embeddings, D) gathered by an integer tensor of any shape -> (..., D).
 // Indices out of range throw ValueError naming the index. padding_idx rows get no gradient.
-Tensor embedding(const Tensor& weight, const Tensor& indices, int64_t padding_idx = -1);
+// padding_idx (F.embedding's): that row gets no gradient; negative counts from the end; outside
+// [-num_embeddings, num_embeddings) is a ValueError.
+Tensor embedding(const Tensor& weight, const Tensor& indices, std::optional<int64_t> padding_idx = std::nullopt);
 
 }  // namespace tandem::ops

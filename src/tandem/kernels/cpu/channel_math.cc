@@ -125,7 +125,7 @@ TANDEM_CLONES void affine_rows(float* __restrict out, const In* __restrict u, co
       float r = a * uv;
       if constexpr (kV) r += b * ld(v, i);
       r += z;
-      out[i] = kRelu ? (r > 0.0f ? r : 0.0f) : r;
+      out[i] = kRelu ? (!(r <= 0.0f) ? r : 0.0f) : r;  // NaN passes, as PyTorch's relu
     }
     return;
   }
@@ -137,7 +137,7 @@ TANDEM_CLONES void affine_rows(float* __restrict out, const In* __restrict u, co
       float r = ku[c] * uv;
       if constexpr (kV) r += kv[c] * ld(v, base + c);
       r += k0[c];
-      out[base + c] = kRelu ? (r > 0.0f ? r : 0.0f) : r;
+      out[base + c] = kRelu ? (!(r <= 0.0f) ? r : 0.0f) : r;
     }
   }
 }

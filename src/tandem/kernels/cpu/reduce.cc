@@ -73,9 +73,11 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DTyp
     bool leading = x.is_contiguous() && !dims.empty();
     for (size_t i = 0; i < dims.size(); ++i) leading &= dims[i] == static_cast<int64_t>(i);
     if (leading) {
-      int64_t R = 1;
+      int64_t R = 1, O = 1;
       for (int64_t d : dims) R *= x.size(d);
-      const int64_t O = x.numel() / std::max<int64_t>(R, 1);
+      // The kept dims' product (not numel / R: with a reduced dim of size 0 that was 0, and the
+      // output was left unwritten).
+      for (int64_t d = static_cast<int64_t>(dims.size()); d < x.dim(); ++d) O *= x.size(d);
       const T* p = static_cast<const T*>(x.data_ptr());
       std::vector<Acc> acc(static_cast<size_t>(O), Acc(0));
       for (int64_t r = 0; r < R; ++r) {

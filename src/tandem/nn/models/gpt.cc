@@ -72,6 +72,9 @@ Tensor Gpt::forward(const Tensor& idx) {
 
 Tensor Gpt::generate(const Tensor& idx_in, int64_t n, double temperature, Generator* gen) {
   TANDEM_CHECK(temperature > 0, ValueError, "GPT.generate: temperature must be positive, got {}", temperature);
+  TANDEM_CHECK(!is_floating(idx_in.dtype()), DTypeError,
+               "GPT.generate: token ids must be integers, got {} (a float id would be truncated)",
+               dtype_name(idx_in.dtype()));
   NoGradGuard no_grad;
   Generator& g = gen ? *gen : default_generator();
   Tensor idx = idx_in.to(kInt64).contiguous();
@@ -83,6 +86,14 @@ Tensor Gpt::generate(const Tensor& idx_in, int64_t n, double temperature, Genera
     const Tensor probs = ops::softmax(ops::div(logits.to(kFloat64), temperature), -1).contiguous();
     Tensor next = empty({B, 1}, kInt64);
     const double* p = probs.data_ptr<double>();
+    for (int64_t i = 0; i < probs.numel(); ++i) {
+      // torch.multinomial: "probability tensor contains either inf, nan or element < 0" (weights
+      // that diverged); the sampler would otherwise return the last token every time.
+      TANDEM_CHECK(std::isfinite(p[i]) && p[i] >= 0, ValueError,
+                   "GPT.generate: the next-token probabilities contain {} (the model's weights or logits are not "
+                   "finite)",
+                   p[i]);
+    }
     const uint64_t base = g.reserve(2 * static_cast<uint64_t>(B));
     for (int64_t b = 0; b < B; ++b) {
       const double u = g.uniform_double(base, static_cast<uint64_t>(b));
