@@ -646,4 +646,21 @@ TEST(Inplace, OverlappingWritesAreErrors) {
   EXPECT_EQ(r.to_vector(), (std::vector<double>{0, 1, 2, 3, 4}));
   r.add_(r);  // the same view twice is fine
   EXPECT_EQ(r.to_vector(), (std::vector<double>{0, 2, 4, 6, 8}));
+  // Interleaved views share a byte range but no element: allowed, as in PyTorch.
+  Tensor mat = td::tensor(std::vector<double>{1, 2, 3, 4}, {2, 2});
+  mat.select(1, 0).add_(mat.select(1, 1));
+  EXPECT_EQ(mat.to_vector(), (std::vector<double>{3, 2, 7, 4}));
+  // fill_ and zero_ write one value: allowed on an expanded view, as in PyTorch.
+  Tensor base = td::zeros({1});
+  base.expand({3}).fill_(2.0);
+  EXPECT_EQ(base.item(), 2.0);
+}
+
+// relu's backward passes the gradient where the result is NaN (PyTorch's threshold_backward),
+// matching its forward, which passes NaN.
+TEST(Inplace, ReluBackwardPassesTheGradientAtNan) {
+  Tensor x = td::tensor(std::vector<double>{NAN, 1, -1}, {3}, td::kFloat64);
+  x.requires_grad_(true);
+  sum(td::ops::relu(x)).backward();
+  EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1, 0}));
 }

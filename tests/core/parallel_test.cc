@@ -161,8 +161,18 @@ TEST(Parallel, ResizingWhileAnotherThreadRunsJobsNeitherHangsNorLosesChunks) {
       ++jobs;
     }
   });
+  // A job whose chunks call parallel_for (and so ask for the pool) again, as norms and oneDNN do.
+  std::thread nested([&] {
+    while (!stop.load()) {
+      td::parallel_for(0, 4, 1, [&](int64_t, int64_t) {
+        td::parallel_for(0, 4, 1, [](int64_t, int64_t) {});
+        (void)td::get_num_threads();
+      });
+    }
+  });
   for (int i = 0; i < 100; ++i) td::set_num_threads(i % 2 == 0 ? 3 : 2);
   stop = true;
+  nested.join();
   runner.join();
   EXPECT_EQ(bad.load(), 0);
   EXPECT_GT(jobs.load(), 0);

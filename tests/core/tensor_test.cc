@@ -375,6 +375,9 @@ TEST(TensorSafety, LiteralsItemAndArangeAreChecked) {
   EXPECT_EQ(td::full({1}, -1, td::kUInt8).item(), 255.0);  // PyTorch wraps negatives into uint8
   EXPECT_TRUE(std::isinf(td::full({1}, INFINITY, td::kFloat32).item()));
   EXPECT_EQ(td::full({1}, 2.7, td::kInt64).item<int64_t>(), 2);
+  // Values computed at run time (a loss total) overflow to inf as in PyTorch's tensor().
+  EXPECT_TRUE(std::isinf(td::scalar_tensor(1e39).item()));
+  EXPECT_TRUE(std::isinf(td::tensor(std::vector<double>{-1e39}, {1}).item()));
 
   const int64_t big = (int64_t{1} << 53) + 1;
   EXPECT_EQ(td::tensor(std::vector<int64_t>{big}, {1}).item<int64_t>(), big);  // not rounded through a double

@@ -229,6 +229,9 @@ TEST(DistributedSampler, DefaultsFromTheProcessGroupWhenThereIsOne) {
     EXPECT_NE(std::string(e.what()).find("init_process_group"), std::string::npos) << e.what();
   }
   EXPECT_EQ(DistributedSampler(10, {.num_replicas = 4, .rank = 1}).rank(), 1);
+  // An sbatch script runs as one process with SLURM_NTASKS set: no proof of several processes.
+  EnvVar no_ompi("OMPI_COMM_WORLD_SIZE", nullptr), ntasks("SLURM_NTASKS", "8");
+  EXPECT_EQ(DistributedSampler(10).num_replicas(), 1);
 }
 
 // ---- the PyTorch oracle (shuffle=False; torch's randperm differs from ours by design) ----

@@ -209,11 +209,13 @@ void Amp::stash_gradients() {
     for (const Tensor& p : g.params) {
       if (!p.grad().defined()) continue;
       Tensor& kept = stash_[&p.impl()];
+      NoGradGuard no_grad;
       if (kept.defined()) {
-        NoGradGuard no_grad;
         kept.add_(p.grad());  // stashed twice without unscale_and_check in between
       } else {
-        kept = p.grad();
+        // A copy: the gradient may be a view of memory the next backward writes into (DDP's
+        // gradient_as_bucket_view bucket slot).
+        kept = p.grad().clone();
       }
       p.set_grad(Tensor());
     }
@@ -256,7 +258,18 @@ bool Amp::unscale_and_check() {
     stash_ = std::move(stash);  // set aside again: a retry unscales only the new gradients
     throw;
   }
-  const bool found = scaler_options_.found_inf_reducer ? scaler_options_.found_inf_reducer(local) : local;
+  bool found = true;
+  try {
+    found = scaler_options_.found_inf_reducer ? scaler_options_.found_inf_reducer(local) : local;
+  } catch (...) {
+    // The ranks could not agree (a collective failed): this step is skipped, the earlier
+    // micro-batches' gradients are kept.
+    for (auto& g : optimizer_.param_groups())
+      for (const Tensor& p : g.params) p.set_grad(Tensor());
+    stash_ = std::move(stash);
+    step_overflowed_ = true;
+    throw;
+  }
   // Already unscaled gradients of earlier scale_loss calls this step come back.
   for (auto& g : optimizer_.param_groups()) {
     for (const Tensor& p : g.params) {

@@ -59,7 +59,8 @@ class Amp {
   // and checked for inf/nan (agreed across ranks), and the stash is added back. On overflow every
   // such gradient is dropped, so that optimizer.step() changes nothing, and the scale backs off;
   // an overflow skips the whole step (every later scale_loss before step() drops its gradients
-  // too). Returns whether this call found an overflow.
+  // too, as Apex skips the next step()): call optimizer.step() after an overflow as after any
+  // step (it is a no-op then). Returns whether this call found an overflow.
   bool unscale_and_check();
   double get_scale() const { return static_cast<double>(rule_.scale()); }
   int64_t skipped_steps() const { return skipped_; }

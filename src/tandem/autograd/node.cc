@@ -87,7 +87,13 @@ Tensor AccumulateGrad::run_leaf_hooks(Tensor g) const {
   const auto hooks = impl->autograd->leaf_hooks;  // a copy: a hook may remove itself
   for (const auto& [handle, hook] : hooks) {
     Tensor r = hook(g);
-    if (r.defined()) g = std::move(r);
+    if (!r.defined()) continue;
+    TANDEM_CHECK(r.shape() == g.shape(), AutogradError,
+                 "a hook on leaf{} returned a gradient of shape {} for a tensor of shape {}; a hook must return a "
+                 "gradient of the same shape (or nothing)",
+                 impl->autograd->name.empty() ? "" : " \"" + impl->autograd->name + "\"", shape_str(r.shape()),
+                 shape_str(g.shape()));
+    g = std::move(r);
   }
   return g;
 }

@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <condition_variable>
 #include <cstring>
@@ -146,24 +147,28 @@ class Pool {
   std::exception_ptr error_;
 };
 
-std::mutex pool_mu;
-Pool* pool_ptr = nullptr;
+std::mutex pool_mu;                  // creation and resizing
+std::atomic<Pool*> pool_ptr{nullptr};  // read without pool_mu: a chunk of a running job may ask
+                                       // for the pool while set_num_threads holds pool_mu and
+                                       // waits for that job
 
 // fork(): the child has none of the parent's worker threads, and pool_mu may have been held by one
 // of them. The child starts with a fresh pool (the parent's is leaked there).
 void reset_pool_in_child() {
   new (&pool_mu) std::mutex();
-  pool_ptr = nullptr;
+  pool_ptr.store(nullptr);
 }
 [[maybe_unused]] const int pool_atfork_registered = pthread_atfork(nullptr, nullptr, reset_pool_in_child);
 
 Pool& pool() {
+  if (Pool* p = pool_ptr.load(std::memory_order_acquire)) return *p;
   std::lock_guard<std::mutex> lock(pool_mu);
-  if (pool_ptr == nullptr) {
-    pool_ptr = new Pool(default_num_threads());  // leaked: workers must outlive static teardown
-    omp_set_num_threads(pool_ptr->size());
+  if (pool_ptr.load() == nullptr) {
+    Pool* p = new Pool(default_num_threads());  // leaked: workers must outlive static teardown
+    omp_set_num_threads(p->size());
+    pool_ptr.store(p, std::memory_order_release);
   }
-  return *pool_ptr;
+  return *pool_ptr.load();
 }
 
 }  // namespace

@@ -21,6 +21,9 @@ bool has_internal_overlap(const Tensor& t) {
 bool has_partial_overlap(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
   if (a.storage() != b.storage()) return false;
+  // PyTorch decides only for two dense layouts; interleaved views (x[:, 0] and x[:, 1]) share a
+  // byte range without sharing an element and are allowed, as there.
+  if (!a.is_non_overlapping_and_dense() || !b.is_non_overlapping_and_dense()) return false;
   // The byte ranges each touches (strides of views are >= 0 here).
   auto range = [](const Tensor& t) {
     int64_t lo = t.offset(), hi = t.offset();
@@ -415,9 +418,8 @@ Tensor tensor(const std::vector<double>& values, const Shape& shape, DType dtype
                "tensor: {} values do not fill shape {} ({} elements)", values.size(), shape_str(shape), shape_numel(shape));
   Tensor t = empty(shape, dtype);
   if (dtype == kBool || is_floating(dtype)) {
-    for (double v : values) {
-      if (dtype != kBool) check_literal(v, dtype, "tensor");
-    }
+    // As PyTorch's tensor(): a float past the dtype's range becomes inf (values computed at run
+    // time, e.g. a gradient's sums, come through here).
     convert(values.data(), kFloat64, t.data_ptr(), dtype, t.numel());
   } else {
     TANDEM_DISPATCH_ALL(dtype, "tensor", [&] {
@@ -447,6 +449,10 @@ Tensor tensor(const std::vector<int64_t>& values, const Shape& shape) {
   return t;
 }
 
-Tensor scalar_tensor(double value, DType dtype) { return full({}, value, dtype); }
+Tensor scalar_tensor(double value, DType dtype) {
+  // A computed value (a loss total) may pass float32's range: inf, as tensor() gives, not an error.
+  if (is_floating(dtype) || dtype == kBool) return tensor(std::vector<double>{value}, {}, dtype);
+  return full({}, value, dtype);
+}
 
 }  // namespace tandem

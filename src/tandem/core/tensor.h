@@ -163,7 +163,8 @@ std::string shape_str(const Shape& s);  // "[2, 3]"
 bool has_internal_overlap(const Tensor& t);
 // Whether `a` and `b` share some but not all of their memory (PyTorch's partial overlap: reading
 // one while writing the other element by element gives order-dependent results). The same view
-// twice is full overlap, not partial.
+// twice is full overlap, not partial. Decided, as in PyTorch, only when both are dense (a
+// contiguous block in some order); other layouts count as not overlapping.
 bool has_partial_overlap(const Tensor& a, const Tensor& b);
 
 // Row-major strides of a contiguous tensor of this shape.

@@ -72,7 +72,9 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, const Options& opti
   // $WORLD_SIZE/$RANK (tandem run / torchrun set them), else 1 and 0.
   const bool group = dist::is_initialized();
   if (!group && !options.num_replicas && std::getenv("WORLD_SIZE") == nullptr) {
-    for (const char* launcher : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+    // (SLURM_NTASKS is no proof: an sbatch script runs as one process with it set; srun sets
+    // SLURM_STEP_NUM_TASKS for the processes it starts.)
+    for (const char* launcher : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}) {
       const int64_t n = env_int(launcher, 1);
       TANDEM_CHECK(n <= 1, ValueError,
                    "DistributedSampler: {}={} says this is one of {} processes, but there is no process group and no "

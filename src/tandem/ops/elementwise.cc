@@ -222,7 +222,9 @@ Tensor pow(const Tensor& x0, const Tensor& e0) {
 }
 
 Tensor relu_backward(const Tensor& grad, const Tensor& result) {
-  return binary_op(grad, result, "relu backward", [](auto gg, auto y) { return y > decltype(y)(0) ? gg : decltype(gg)(0); });
+  // PyTorch's threshold_backward: the gradient passes unless the result is <= 0 (a NaN passes).
+  return binary_op(grad, result, "relu backward",
+                   [](auto gg, auto y) { return !(y <= decltype(y)(0)) ? gg : decltype(gg)(0); });
 }
 
 Tensor relu(const Tensor& x) {

@@ -8,7 +8,7 @@
 namespace tandem {
 namespace {
 
-void check_inplace(const Tensor& t, const char* op) {
+void check_inplace(const Tensor& t, const char* op, bool writes_each_once = false) {
   TANDEM_CHECK(!(autograd::is_grad_enabled() && t.requires_grad()), AutogradError,
                "{}: a tensor that requires grad{} is being used in an in-place operation; in-place operations "
                "record no autograd history. {}",
@@ -18,7 +18,8 @@ void check_inplace(const Tensor& t, const char* op) {
                              "the backward would not see the change and its gradients would be wrong");
   // PyTorch: "unsupported operation: more than one element of the written-to tensor refers to a
   // single memory location" (an expand()ed view would be written several times per element).
-  TANDEM_CHECK(!has_internal_overlap(t), ValueError,
+  // (fill_ and zero_ write one value: PyTorch allows them on an expanded view.)
+  TANDEM_CHECK(writes_each_once || !has_internal_overlap(t), ValueError,
                "{}: more than one element of the written-to tensor (shape {}, strides {}) refers to a single memory "
                "location; clone() it first",
                op, shape_str(t.shape()), shape_str(t.strides()));
@@ -41,14 +42,14 @@ Tensor& Tensor::copy_(const Tensor& src) {
 }
 
 Tensor& Tensor::fill_(double value) {
-  check_inplace(*this, "fill_");
+  check_inplace(*this, "fill_", /*writes_each_once=*/true);
   Tensor v = full({}, value, dtype());
   kernels::copy_into(*this, v);
   return *this;
 }
 
 Tensor& Tensor::zero_() {
-  check_inplace(*this, "zero_");
+  check_inplace(*this, "zero_", /*writes_each_once=*/true);
   if (is_contiguous()) {
     std::memset(data_ptr(), 0, nbytes());
     return *this;

@@ -343,7 +343,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                  for (int64_t c = 0; c < C; ++c)
                    for (int64_t i = 0; i < l.inner; ++i) {
                      const int64_t k = (o * C + c) * l.inner + i;
-                     const double gk = pm && !(static_cast<double>(pm[k]) > 0) ? 0.0 : static_cast<double>(pg[k]);
+                     const double gk = pm && static_cast<double>(pm[k]) <= 0 ? 0.0 : static_cast<double>(pg[k]);
                      sum_dy[c] += gk;
                      sum_dy_xc[c] += gk * (px[k] - mean[c]);
                    }
@@ -399,7 +399,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
                  for (int64_t c = 0; c < C; ++c)
                    for (int64_t i = 0; i < l.inner; ++i) {
                      const int64_t k = (o * C + c) * l.inner + i;
-                     const double gk = pm && !(static_cast<double>(pm[k]) > 0) ? 0.0 : static_cast<double>(pg[k]);
+                     const double gk = pm && static_cast<double>(pm[k]) <= 0 ? 0.0 : static_cast<double>(pg[k]);
                      po[k] = k_gy[c] * gk + k_x[c] * px[k] + k_0[c];
                    }
              } else {

@@ -98,12 +98,13 @@ Tensor max(const Tensor& x) {
     // PyTorch's evenly_distribute_backward: the gradient is shared equally by every element equal
     // to the maximum (max(x, dim) gives it to the first one instead).
     record("MaxBackward1", {x}, {value}, [xs = x.detach(), v = value.detach()](const G& g) {
-      Tensor mask = eq(xs, v).to(g[0].dtype());
+      Tensor mask = eq(xs, v).to(kFloat64);  // counted in f64: exact for any number of ties
       double ties = sum(mask).item();
       if (ties == 0) {  // the maximum is NaN: its NaN elements share the gradient
-        mask = sub(ones(xs.shape(), g[0].dtype()), eq(xs, xs).to(g[0].dtype()));
+        mask = sub(ones(xs.shape(), kFloat64), eq(xs, xs).to(kFloat64));
         ties = sum(mask).item();
       }
+      mask = mask.to(g[0].dtype());
       return G{mul(mask, div(g[0], scalar_tensor(ties, g[0].dtype())))};
     });
   }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -458,6 +459,14 @@ CheckpointState load_checkpoint(const std::string& top, const CheckpointTarget& 
       TANDEM_CHECK(st.scaler.count(k), ValueError, "load_checkpoint: {}/{} has no amp loss-scale \"{}\"", top, kStateFile, k);
     }
     amp_state.scaler = st.scaler;
+  }
+
+  // The loss scale (amp's or the trainer's GradScaler's) must be usable before anything loads:
+  // a NaN, zero or negative one would be refused only after the model was replaced.
+  if (auto it = st.scaler.find("scale"); it != st.scaler.end()) {
+    TANDEM_CHECK(std::isfinite(it->second) && it->second > 0, ValueError,
+                 "load_checkpoint: {}/{} holds loss scale {}; a loss scale must be finite and positive", top,
+                 kStateFile, it->second);
   }
 
   // ---- everything checked: copy in ----

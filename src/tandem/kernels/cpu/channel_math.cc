@@ -81,14 +81,14 @@ TANDEM_CLONES void sum_grad_rows(const In* __restrict g, const In* __restrict y,
     for (; i + kLanes <= rows; i += kLanes)
       for (int l = 0; l < kLanes; ++l) {
         const float gl = ld(g, i + l);
-        const float gv = kMask ? (ld(y, i + l) > 0.0f ? gl : 0.0f) : gl;
+        const float gv = kMask ? (!(ld(y, i + l) <= 0.0f) ? gl : 0.0f) : gl;  // NaN passes, as PyTorch's
         pg[l] += gv;
         pgx[l] += gv * (ld(x, i + l) - mu);
       }
     float a = 0, b = 0;
     for (; i < rows; ++i) {
       const float gl = ld(g, i);
-      const float gv = kMask ? (ld(y, i) > 0.0f ? gl : 0.0f) : gl;
+      const float gv = kMask ? (!(ld(y, i) <= 0.0f) ? gl : 0.0f) : gl;
       a += gv;
       b += gv * (ld(x, i) - mu);
     }
@@ -121,7 +121,7 @@ TANDEM_CLONES void affine_rows(float* __restrict out, const In* __restrict u, co
     const float a = ku[0], b = kV ? kv[0] : 0.0f, z = k0[0];
     for (int64_t i = 0; i < rows; ++i) {
       const float ul = ld(u, i);
-      const float uv = kMask ? (ld(y, i) > 0.0f ? ul : 0.0f) : ul;
+      const float uv = kMask ? (!(ld(y, i) <= 0.0f) ? ul : 0.0f) : ul;
       float r = a * uv;
       if constexpr (kV) r += b * ld(v, i);
       r += z;
@@ -133,7 +133,7 @@ TANDEM_CLONES void affine_rows(float* __restrict out, const In* __restrict u, co
     const int64_t base = row * C;
     for (int64_t c = 0; c < C; ++c) {
       const float ul = ld(u, base + c);
-      const float uv = kMask ? (ld(y, base + c) > 0.0f ? ul : 0.0f) : ul;
+      const float uv = kMask ? (!(ld(y, base + c) <= 0.0f) ? ul : 0.0f) : ul;
       float r = ku[c] * uv;
       if constexpr (kV) r += kv[c] * ld(v, base + c);
       r += k0[c];
