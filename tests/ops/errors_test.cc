@@ -211,5 +211,20 @@ TEST(OpsEdgeCases, PowExponentGradientAtZeroBaseWithNegativeExponent) {
   EXPECT_EQ(g[1], 0.0);
 }
 
+// A 0-d operand does not widen a dimensioned one of the same category (torch.result_type):
+// bf16[3] * f32 0-d stays bf16 (it became f32, doubling memory and failing later in a bf16 matmul),
+// f32[3] + f64 0-d stays f32; a higher category still promotes, and two 0-d or two dimensioned
+// operands promote as before.
+TEST(OpsEdgeCases, ZeroDimOperandsDoNotWidenDimensionedOnes) {
+  EXPECT_EQ(ops::mul(zeros({3}, kBFloat16), scalar_tensor(2, kFloat32)).dtype(), kBFloat16);
+  EXPECT_EQ(ops::add(zeros({3}), scalar_tensor(2, kFloat64)).dtype(), kFloat32);
+  EXPECT_EQ(ops::add(scalar_tensor(2, kFloat64), zeros({3})).dtype(), kFloat32);
+  EXPECT_EQ(ops::add(zeros({3}, kBFloat16), zeros({3})).dtype(), kFloat32);
+  EXPECT_EQ(ops::add(scalar_tensor(1, kBFloat16), scalar_tensor(2, kFloat32)).dtype(), kFloat32);
+  EXPECT_EQ(ops::result_type(zeros({3}, kInt64), scalar_tensor(2.5, kFloat64)), kFloat64);
+  EXPECT_EQ(ops::where(full({3}, 1, kBool), zeros({3}, kBFloat16), scalar_tensor(-1, kFloat32)).dtype(), kBFloat16);
+}
+
 }  // namespace
 }  // namespace tandem
+

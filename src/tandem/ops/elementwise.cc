@@ -22,10 +22,24 @@ constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
 constexpr double kInvSqrt2 = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
 
-// Promotes both operands to their common dtype (differentiably).
+}  // namespace
+
+DType result_type(const Tensor& a, const Tensor& b) {
+  const auto category = [](DType d) { return d == kBool ? 0 : is_floating(d) ? 2 : 1; };
+  const bool a0 = a.dim() == 0, b0 = b.dim() == 0;
+  if (a0 != b0) {
+    const DType dimensioned = a0 ? b.dtype() : a.dtype(), zero_dim = a0 ? a.dtype() : b.dtype();
+    if (category(zero_dim) <= category(dimensioned)) return dimensioned;
+  }
+  return promote_types(a.dtype(), b.dtype());
+}
+
+namespace {
+
+// Promotes both operands to their common dtype, result_type's (differentiably).
 std::pair<Tensor, Tensor> promote(const Tensor& a, const Tensor& b, const char* op) {
   TANDEM_CHECK(a.defined() && b.defined(), ValueError, "{}: undefined tensor operand", op);
-  const DType dt = promote_types(a.dtype(), b.dtype());
+  const DType dt = result_type(a, b);
   TANDEM_CHECK(is_floating(dt), DTypeError, "{}: expected floating-point tensors, got {} and {}", op,
                dtype_name(a.dtype()), dtype_name(b.dtype()));
   return {a.to(dt), b.to(dt)};

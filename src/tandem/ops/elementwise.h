@@ -8,6 +8,11 @@
 
 namespace tandem::ops {
 
+// The dtype a binary op on `a` and `b` computes in (torch.result_type): a 0-d operand with a
+// dimensioned one of the same category (bool < integer < floating) takes the dimensioned one's
+// dtype (bf16[3] * f32 0-d is bf16, f32[3] + f64 0-d is f32); otherwise promote_types.
+DType result_type(const Tensor& a, const Tensor& b);
+
 Tensor add(const Tensor& a, const Tensor& b, double alpha = 1.0);  // a + alpha * b
 Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0);  // a - alpha * b
 Tensor mul(const Tensor& a, const Tensor& b);

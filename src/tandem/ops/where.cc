@@ -23,7 +23,7 @@ Tensor as_selector(const Tensor& cond, DType dtype, const char* op) {
 
 Tensor where(const Tensor& cond, const Tensor& a0, const Tensor& b0) {
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::where, [](const auto&... args) { return where(args...); }, cond, a0, b0);
-  const DType dt = promote_types(a0.dtype(), b0.dtype());
+  const DType dt = result_type(a0, b0);
   TANDEM_CHECK(is_floating(dt), DTypeError, "where: expected floating values, got {} and {}", dtype_name(a0.dtype()),
                dtype_name(b0.dtype()));
   const Tensor a = a0.to(dt), b = b0.to(dt);
