@@ -44,7 +44,7 @@ class Pool {
   explicit Pool(int n) { resize(n); }
   ~Pool() { stop(); }
 
-  int size() const { return size_; }
+  int size() const { return size_.load(std::memory_order_relaxed); }
 
   // Returns "" or why not every worker could start (the pool then has the ones that did). Waits
   // for a job another thread is running (its workers must not stop halfway through it).
@@ -78,7 +78,7 @@ class Pool {
     job_ = &chunk;
     // Worker i runs chunk i; chunks no worker has (the pool shrank since the caller counted) run
     // here after chunk 0.
-    const int by_workers = std::min(nchunks, size_);
+    const int by_workers = std::min(nchunks, size_.load(std::memory_order_relaxed));
     nchunks_ = by_workers;
     pending_ = by_workers - 1;
     error_ = nullptr;
@@ -134,7 +134,7 @@ class Pool {
     workers_.clear();
   }
 
-  int size_ = 1;
+  std::atomic<int> size_{1};  // written by resize (under run_mu_), read by parallel_for without it
   std::vector<std::thread> workers_;
   std::mutex run_mu_;  // callers on different threads take turns
   std::mutex mu_;
