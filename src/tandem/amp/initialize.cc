@@ -329,8 +329,7 @@ void Amp::load_state_dict(const State& s) {
   const double scale = s.scaler.at("scale");
   TANDEM_CHECK(std::isfinite(scale) && scale > 0, ValueError,
                "amp: the scaler state's scale is {}; a loss scale must be finite and positive", scale);
-  optimizer_.check_state_dict(s.optimizer);
-  optimizer_.load_state_dict(s.optimizer);
+  optimizer_.load_state_dict(s.optimizer);  // checks everything before it changes anything
   NoGradGuard no_grad;
   for (size_t i = 0; i < masters_.size(); ++i) masters_[i].copy_(s.master_params[i]);
   write_back();
