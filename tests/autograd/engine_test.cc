@@ -664,3 +664,123 @@ TEST(Inplace, ReluBackwardPassesTheGradientAtNan) {
   sum(td::ops::relu(x)).backward();
   EXPECT_EQ(x.grad().to_vector(), (std::vector<double>{1, 1, 0}));
 }
+
+// ---- version counter (PyTorch's _version and SavedVariable's check) ----
+
+TEST(VersionCounter, InPlaceWritesBumpTheVersionSharedByViewsAndDetach) {
+  Tensor t = td::zeros({2, 3});
+  EXPECT_EQ(t.version(), 0u);
+  t.add_(td::ones({2, 3}));
+  EXPECT_EQ(t.version(), 1u);
+  Tensor v = t.select(0, 1);
+  Tensor d = t.detach();
+  v.mul_(2.0);
+  d.fill_(3.0);
+  t.zero_();
+  t.copy_(td::ones({3}));
+  EXPECT_EQ(t.version(), 5u);
+  EXPECT_EQ(v.version(), 5u);
+  EXPECT_EQ(d.version(), 5u);
+  EXPECT_EQ(t.clone().version(), 0u);  // a copy starts afresh
+  // A refused write (partial overlap) leaves the version alone.
+  Tensor r = td::zeros({5});
+  EXPECT_THROW(r.slice(0, 1, 5).add_(r.slice(0, 0, 4)), td::ValueError);
+  EXPECT_EQ(r.version(), 0u);
+}
+
+TEST(VersionCounter, BackwardRefusesASavedInputWrittenInPlaceAfterTheForward) {
+  // x needs no gradient, so in-place writes to it are allowed; but w's gradient needs x's values
+  // at the forward (PyTorch: "one of the variables needed for gradient computation has been
+  // modified by an inplace operation").
+  Tensor x = td::tensor(std::vector<double>{1, 2, 3, 4}, {2, 2}, td::kFloat64);
+  Tensor w = td::tensor(std::vector<double>{1, 0, 0, 1}, {2, 2}, td::kFloat64);
+  w.requires_grad_(true);
+  Tensor loss = sum(td::ops::linear(x, w));
+  x.mul_(10.0);
+  const std::string m = what_of([&] { loss.backward(); });
+  EXPECT_NE(m.find("modified by an inplace operation"), std::string::npos) << m;
+  EXPECT_NE(m.find("LinearBackward"), std::string::npos) << m;
+  EXPECT_NE(m.find("is at version 1; expected version 0"), std::string::npos) << m;
+  EXPECT_FALSE(w.grad().defined());
+  // The same through matmul and mul.
+  Tensor a = td::tensor(std::vector<double>{1, 2}, {1, 2}, td::kFloat64);
+  Tensor l2 = sum(td::ops::matmul(a, w));
+  a.add_(td::ones({1, 2}, td::kFloat64));
+  EXPECT_THROW(l2.backward(), td::AutogradError);
+  Tensor b = td::tensor(std::vector<double>{1, 2}, {2}, td::kFloat64);
+  Tensor l3 = sum(td::ops::mul(b, w.select(0, 0)));
+  b.zero_();
+  EXPECT_THROW(l3.backward(), td::AutogradError);
+}
+
+TEST(VersionCounter, WritesToTensorsTheBackwardDoesNotNeedAreFine) {
+  // add saves nothing; mul saves b only when a needs a gradient (PyTorch saves the same).
+  Tensor x = td::tensor(std::vector<double>{1, 2}, {2}, td::kFloat64);
+  Tensor w = leaf({3, 4});
+  Tensor y = sum(td::ops::add(x, w));
+  x.fill_(7.0);
+  y.backward();
+  EXPECT_EQ(w.grad().to_vector(), (std::vector<double>{1, 1}));
+  Tensor c = td::tensor(std::vector<double>{5, 6}, {2}, td::kFloat64);
+  Tensor w2 = leaf({1, 1});
+  Tensor z = sum(td::ops::mul(c, w2));
+  {
+    td::NoGradGuard no_grad;
+    w2.mul_(100.0);  // w2's own value is not needed for its gradient
+  }
+  z.backward();
+  EXPECT_EQ(w2.grad().to_vector(), (std::vector<double>{5, 6}));
+}
+
+TEST(VersionCounter, SavedOutputsAndAnOptimizerStepBeforeBackwardAreCaught) {
+  // relu saves its output: writing it under NoGradGuard would change the mask backward uses.
+  Tensor x = leaf({-1, 2, 3});
+  Tensor r = td::ops::relu(x);
+  Tensor l = sum(r * 2.0);
+  {
+    td::NoGradGuard no_grad;
+    r.fill_(0.0);
+  }
+  EXPECT_THROW(l.backward(), td::AutogradError);
+  // The GAN mistake: step() between a forward and its backward changes a weight the backward needs.
+  Tensor w1 = leaf({0.5, -0.25, 1.0, 2.0});
+  Tensor w2 = leaf({1.0, -1.0});
+  Tensor in = td::tensor(std::vector<double>{1, 2}, {1, 2}, td::kFloat64);
+  auto forward = [&] {
+    Tensor h = td::ops::relu(td::ops::linear(in, w1.view({2, 2})));
+    return sum(td::ops::linear(h, w2.view({1, 2})));
+  };
+  forward().backward();
+  td::optim::SGD opt({w1, w2}, {.lr = 0.1});
+  Tensor again = forward();
+  opt.step();
+  const std::string m = what_of([&] { again.backward(); });
+  EXPECT_NE(m.find("modified by an inplace operation"), std::string::npos) << m;
+  EXPECT_NE(m.find("optimizer step()"), std::string::npos) << m;
+  // retain_graph: a second backward after an in-place change is refused too.
+  opt.zero_grad();
+  Tensor kept = forward();
+  kept.backward(Tensor(), /*retain_graph=*/true);
+  opt.step();
+  EXPECT_THROW(kept.backward(), td::AutogradError);
+  // step() then a fresh forward is the normal order.
+  opt.zero_grad();
+  EXPECT_NO_THROW(forward().backward());
+}
+
+// A saved output is held without its grad_fn: a graph never backwarded (inference with grad on,
+// a metric, an abandoned forward) is freed when its last tensor goes. Saving the output itself
+// made node -> output -> grad_fn -> node, a cycle that leaked every such graph.
+TEST(VersionCounter, SavedOutputsDoNotKeepTheirGraphAlive) {
+  Tensor x = leaf({-1, 2, 3});
+  std::weak_ptr<td::TensorImpl> out;
+  std::weak_ptr<td::autograd::Node> node;
+  {
+    Tensor y = td::ops::exp(td::ops::relu(x * 2.0));
+    out = y.impl_ptr();
+    node = y.grad_fn();
+    EXPECT_FALSE(node.expired());
+  }
+  EXPECT_TRUE(out.expired());
+  EXPECT_TRUE(node.expired());
+}

@@ -146,11 +146,30 @@ std::vector<Tensor> FunctionNode::apply(std::vector<Tensor>&& grads) {
                "they have already been freed). Pass retain_graph=true to the first backward() if you need to "
                "backward twice.",
                name_);
+  for (const Saved& sv : saved_) {
+    const uint32_t now = sv.tensor.version();
+    TANDEM_CHECK(now == sv.version, AutogradError,
+                 "{}: one of the variables needed for gradient computation has been modified by an inplace "
+                 "operation: the {} {} tensor it saved in the forward is at version {}; expected version {} instead. "
+                 "Its gradients would be computed from the new values, so they would be wrong. Write to a clone() "
+                 "of that tensor instead, or write after backward() (an optimizer step() or an in-place update "
+                 "under NoGradGuard between the forward and backward() is such a write)",
+                 name_, dtype_name(sv.tensor.dtype()), shape_str(sv.tensor.shape()), now, sv.version);
+  }
   // Materialise missing gradients as zeros so that every closure sees defined tensors.
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) grads[i] = zeros(outputs_[i].shape, outputs_[i].dtype);
   }
   return fn_(grads);
+}
+
+void FunctionNode::set_saved(const std::vector<Tensor>& saved) {
+  saved_.clear();
+  saved_.reserve(saved.size());
+  for (const Tensor& t : saved) {
+    // Held without autograd state (an output holding its own grad_fn would be a cycle).
+    if (t.defined()) saved_.push_back({t.impl().autograd ? t.detach() : t, t.version()});
+  }
 }
 
 AutogradMeta& autograd_meta(const Tensor& t) {
@@ -187,7 +206,8 @@ bool any_requires_grad(const std::vector<Tensor>& inputs) {
   return false;
 }
 
-bool record(const char* name, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs, BackwardFn fn) {
+bool record(const char* name, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs, BackwardFn fn,
+            const std::vector<Tensor>& saved) {
   if (!any_requires_grad(inputs)) return false;
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
   auto& edges = node->mutable_next_edges();
@@ -202,6 +222,9 @@ bool record(const char* name, const std::vector<Tensor>& inputs, const std::vect
     meta.grad_fn = node;
     meta.output_nr = i;
   }
+  // After the outputs got their grad_fn: a saved output is then held detached (as itself it would
+  // hold its grad_fn, this node: a cycle that leaked every graph never backwarded).
+  if (!saved.empty()) node->set_saved(saved);
   return true;
 }
 

@@ -120,12 +120,23 @@ class FunctionNode : public Node {
   FunctionNode(std::string name, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
   std::string name() const override { return name_; }
-  void release_variables() override { fn_ = nullptr; }
+  void release_variables() override {
+    fn_ = nullptr;
+    saved_.clear();
+  }
   bool released() const override { return fn_ == nullptr; }
+  // The tensors the closure captured, each with its version() when captured: apply() throws
+  // AutogradError, as PyTorch's SavedVariable::unpack does, when one was written in place since.
+  void set_saved(const std::vector<Tensor>& saved);
 
  private:
+  struct Saved {
+    Tensor tensor;
+    uint32_t version = 0;
+  };
   std::string name_;
   BackwardFn fn_;
+  std::vector<Saved> saved_;
 };
 
 // ---- gradient destinations ----
@@ -187,6 +198,9 @@ bool any_requires_grad(const std::vector<Tensor>& inputs);
 // Connects `outputs` to a new FunctionNode whose backward is `fn`, if grad mode is on and any of
 // `inputs` requires grad (otherwise does nothing). Returns whether a node was recorded.
 // Save outputs inside `fn` only through detach() (a saved output with its own grad_fn is a cycle).
-bool record(const char* name, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs, BackwardFn fn);
+// `saved` lists every tensor `fn` captures (inputs or outputs, undefined ones allowed): backward
+// then refuses to run when one of them was written in place after this call (see version()).
+bool record(const char* name, const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs, BackwardFn fn,
+            const std::vector<Tensor>& saved = {});
 
 }  // namespace tandem::autograd

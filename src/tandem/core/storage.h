@@ -3,7 +3,9 @@
 // the user's deleter, or nothing.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -36,12 +38,18 @@ class Storage {
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
 
+  // PyTorch's version counter, shared by every view of these bytes (and by detach()): in-place
+  // writes bump it, and autograd checks that a tensor saved for backward was not written since.
+  uint32_t version() const { return version_.load(std::memory_order_relaxed); }
+  void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+
  private:
   Storage() = default;
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_{};
   bool owned_ = false;
+  std::atomic<uint32_t> version_{0};
   std::function<void(void*)> deleter_;
 };
 

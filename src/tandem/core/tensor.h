@@ -67,6 +67,12 @@ class Tensor {
   // contiguous, or channels-last): then elementwise work can walk memory linearly.
   bool is_non_overlapping_and_dense() const;
   const std::shared_ptr<Storage>& storage() const { return impl().storage; }
+  // How many in-place writes this tensor's data has had (PyTorch's `_version`); shared by all
+  // views of the same storage. The in-place methods below and optimizer steps bump it.
+  uint32_t version() const { return impl().storage->version(); }
+  // Marks the data as written in place (PyTorch's torch.autograd.graph.increment_version): code
+  // that writes through data_ptr() calls it so that backward notices a saved tensor changed.
+  void bump_version() const { impl().storage->bump_version(); }
   // Pointer to the first element.
   void* data_ptr() const;
   // Typed pointer; throws DTypeError when T does not match dtype().
@@ -119,6 +125,7 @@ class Tensor {
   Tensor clone() const;                // contiguous deep copy
 
   // ---- in-place, no autograd (optimizers, initialisation); ops/inplace.cc ----
+  // Each bumps version(): a backward that needs the old values then throws instead of using the new.
   Tensor& copy_(const Tensor& src);    // broadcasts src, converts dtype
   Tensor& fill_(double value);
   Tensor& zero_();

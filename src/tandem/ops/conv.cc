@@ -34,7 +34,9 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, const C
              if (has_bias) grads[2] = gb;
            }
            return grads;
-         });
+         },
+         {weight.requires_grad() || (bias.defined() && bias.requires_grad()) ? x : Tensor(),
+          x.requires_grad() ? weight : Tensor()});
   return y;
 }
 

@@ -89,7 +89,7 @@ Tensor mul(const Tensor& a0, const Tensor& b0) {
   Tensor out = binary_op(a, b, "mul", [](auto x, auto y) { return x * y; });
   record("MulBackward", {a, b}, {out}, [a = a.detach(), b = b.detach(), ra = a.requires_grad(), rb = b.requires_grad()](const G& g) {
     return G{ra ? sum_to(mul(g[0], b), a.shape()) : Tensor(), rb ? sum_to(mul(g[0], a), b.shape()) : Tensor()};
-  });
+  }, {b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()});
   return out;
 }
 
@@ -105,7 +105,7 @@ Tensor div(const Tensor& a0, const Tensor& b0) {
                   b.shape());
     }
     return G{ga, gb};
-  });
+  }, {b.requires_grad() ? a : Tensor(), b});
   return out;
 }
 
@@ -150,7 +150,7 @@ Tensor exp(const Tensor& x) {
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::exp, [](const auto&... args) { return exp(args...); }, x);
   check_floating(x, "exp");
   Tensor out = unary_op(x, "exp", [](auto v) { return std::exp(v); });
-  record("ExpBackward", {x}, {out}, [y = out.detach()](const G& g) { return G{mul(g[0], y)}; });
+  record("ExpBackward", {x}, {out}, [y = out.detach()](const G& g) { return G{mul(g[0], y)}; }, {out});
   return out;
 }
 
@@ -158,7 +158,7 @@ Tensor log(const Tensor& x) {
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::log, [](const auto&... args) { return log(args...); }, x);
   check_floating(x, "log");
   Tensor out = unary_op(x, "log", [](auto v) { return std::log(v); });
-  record("LogBackward", {x}, {out}, [x = x.detach()](const G& g) { return G{div(g[0], x)}; });
+  record("LogBackward", {x}, {out}, [x = x.detach()](const G& g) { return G{div(g[0], x)}; }, {x});
   return out;
 }
 
@@ -167,7 +167,7 @@ Tensor sqrt(const Tensor& x) {
   Tensor out = unary_op(x, "sqrt", [](auto v) { return std::sqrt(v); });
   record("SqrtBackward", {x}, {out}, [y = out.detach()](const G& g) {
     return G{binary_op(g[0], y, "sqrt backward", [](auto gg, auto yy) { return gg / (yy + yy); })};
-  });
+  }, {out});
   return out;
 }
 
@@ -176,7 +176,7 @@ Tensor rsqrt(const Tensor& x) {
   Tensor out = unary_op(x, "rsqrt", [](auto v) { return decltype(v)(1) / std::sqrt(v); });
   record("RsqrtBackward", {x}, {out}, [y = out.detach()](const G& g) {
     return G{binary_op(g[0], y, "rsqrt backward", [](auto gg, auto yy) { return decltype(gg)(-0.5) * gg * yy * yy * yy; })};
-  });
+  }, {out});
   return out;
 }
 
@@ -185,7 +185,7 @@ Tensor square(const Tensor& x) {
   Tensor out = unary_op(x, "square", [](auto v) { return v * v; });
   record("SquareBackward", {x}, {out}, [x = x.detach()](const G& g) {
     return G{binary_op(g[0], x, "square backward", [](auto gg, auto xx) { return decltype(gg)(2) * gg * xx; })};
-  });
+  }, {x});
   return out;
 }
 
@@ -197,7 +197,7 @@ Tensor abs(const Tensor& x) {
       using T = decltype(gg);
       return xx > T(0) ? gg : (xx < T(0) ? -gg : T(0));
     })};
-  });
+  }, {x});
   return out;
 }
 
@@ -211,7 +211,7 @@ Tensor pow(const Tensor& x, double p) {
       using T = decltype(gg);
       return gg * static_cast<T>(p) * std::pow(xx, static_cast<T>(p - 1.0));
     })};
-  });
+  }, {x});
   return out;
 }
 
@@ -231,7 +231,7 @@ Tensor pow(const Tensor& x0, const Tensor& e0) {
       return a == T(0) && !std::isinf(static_cast<double>(yy)) ? T(0) : gg * yy * std::log(a);
     });
     return G{sum_to(gx, x.shape()), sum_to(ge, e.shape())};
-  });
+  }, {x, e, out});
   return out;
 }
 
@@ -245,7 +245,7 @@ Tensor relu(const Tensor& x) {
   check_floating(x, "relu");
   // NaN passes through, as PyTorch's relu (clamp_min(x, 0)): a diverging activation stays visible.
   Tensor out = unary_op(x, "relu", [](auto v) { return !(v <= decltype(v)(0)) ? v : decltype(v)(0); });
-  record("ReluBackward", {x}, {out}, [y = out.detach()](const G& g) { return G{relu_backward(g[0], y)}; });
+  record("ReluBackward", {x}, {out}, [y = out.detach()](const G& g) { return G{relu_backward(g[0], y)}; }, {out});
   return out;
 }
 
@@ -303,7 +303,7 @@ Tensor gelu(const Tensor& x, std::string_view approximate) {
   }
   record("GeluBackward", {x}, {out}, [x = x.detach(), approx = std::string(approximate)](const G& g) {
     return G{gelu_backward(g[0], x, approx)};
-  });
+  }, {x});
   return out;
 }
 
@@ -315,7 +315,7 @@ Tensor sigmoid(const Tensor& x) {
   });
   record("SigmoidBackward", {x}, {out}, [y = out.detach()](const G& g) {
     return G{binary_op(g[0], y, "sigmoid backward", [](auto gg, auto yy) { return gg * yy * (decltype(yy)(1) - yy); })};
-  });
+  }, {out});
   return out;
 }
 
@@ -324,7 +324,7 @@ Tensor tanh(const Tensor& x) {
   Tensor out = unary_op(x, "tanh", [](auto v) { return std::tanh(v); });
   record("TanhBackward", {x}, {out}, [y = out.detach()](const G& g) {
     return G{binary_op(g[0], y, "tanh backward", [](auto gg, auto yy) { return gg * (decltype(yy)(1) - yy * yy); })};
-  });
+  }, {out});
   return out;
 }
 
@@ -340,7 +340,7 @@ Tensor clamp(const Tensor& x, double lo, double hi) {
       using T = decltype(v);
       return (v >= static_cast<T>(lo) && v <= static_cast<T>(hi)) ? gg : T(0);
     })};
-  });
+  }, {x});
   return out;
 }
 

@@ -1,5 +1,6 @@
 // Tensor's in-place methods (declared in core/tensor.h). They record no autograd history, so
-// they refuse a tensor that requires grad while grad mode is on (as PyTorch refuses a leaf).
+// they refuse a tensor that requires grad while grad mode is on (as PyTorch refuses a leaf), and
+// they bump the data's version, so a backward that saved it refuses to use the new values.
 #include <cstring>
 
 #include "tandem/autograd/grad_mode.h"
@@ -23,6 +24,8 @@ void check_inplace(const Tensor& t, const char* op, bool writes_each_once = fals
                "{}: more than one element of the written-to tensor (shape {}, strides {}) refers to a single memory "
                "location; clone() it first",
                op, shape_str(t.shape()), shape_str(t.strides()));
+  // Counted before the write: a write that fails part-way has changed the data too.
+  t.bump_version();
 }
 
 void check_source(const Tensor& dst, const Tensor& src, const char* op) {
@@ -35,8 +38,8 @@ void check_source(const Tensor& dst, const Tensor& src, const char* op) {
 }  // namespace
 
 Tensor& Tensor::copy_(const Tensor& src) {
-  check_inplace(*this, "copy_");
   check_source(*this, src, "copy_");
+  check_inplace(*this, "copy_");
   kernels::copy_into(*this, src);
   return *this;
 }
@@ -58,8 +61,8 @@ Tensor& Tensor::zero_() {
 }
 
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
-  check_inplace(*this, "add_");
   check_source(*this, other, "add_");
+  check_inplace(*this, "add_");
   const Tensor o = other.dtype() == dtype() ? other : other.detach().to(dtype());
   const Shape ost = kernels::broadcast_strides(o, shape(), "add_");
   TANDEM_DISPATCH_FLOATING(dtype(), "add_", [&] {

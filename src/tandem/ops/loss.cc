@@ -86,7 +86,7 @@ Tensor softmax(const Tensor& x, int64_t dim) {
     // dx = y * (g - sum(g * y))
     Tensor gy = mul(g[0], y);
     return G{sub(gy, mul(y, sum(gy, {d}, true)))};
-  });
+  }, {y});
   return y;
 }
 
@@ -98,7 +98,7 @@ Tensor log_softmax(const Tensor& x, int64_t dim) {
   record("LogSoftmaxBackward", {x}, {y}, [y = y.detach(), d](const G& g) {
     // dx = g - exp(y) * sum(g)
     return G{sub(g[0], mul(exp(y), sum(g[0], {d}, true)))};
-  });
+  }, {y});
   return y;
 }
 
@@ -255,7 +255,7 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
              result = classes_second(gx.reshape(moved)).contiguous();
            }
            return G{result.to(in_dtype)};
-         });
+         }, {f.target});
   return out;
 }
 
@@ -303,7 +303,7 @@ Tensor nll_loss(const Tensor& input, const Tensor& target, const NllLossOptions&
            for (size_t d = 2; d < in_shape.size(); ++d) moved.push_back(in_shape[d]);
            moved.push_back(C);
            return G{classes_second(result.reshape(moved)).contiguous()};
-         });
+         }, {f.target});
   return out;
 }
 

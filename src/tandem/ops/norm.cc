@@ -414,7 +414,7 @@ Tensor batch_norm_impl(const Tensor& x_in, const Tensor& running_mean, const Ten
            Tensor gw = has_w ? tensor(sum_dy_xhat, {C}, wdt) : Tensor();
            Tensor gb = has_b ? tensor(dy_sums, {C}, bdt) : Tensor();
            return G{gx, gw, gb};
-         });
+         }, {x, relu ? y : Tensor()});
   return y;
 }
 
@@ -667,7 +667,7 @@ Tensor layer_norm(const Tensor& x_in, const Shape& normalized_shape, const Tenso
            if (r[1].defined()) r[1] = r[1].reshape(nshape);
            if (r[2].defined()) r[2] = r[2].reshape(nshape);
            return r;
-         });
+         }, {rn.x});
   return y;
 }
 
@@ -696,7 +696,8 @@ Tensor group_norm(const Tensor& x_in, int64_t num_groups, const Tensor& weight, 
   record("GroupNormBackward", {x_in, weight, bias}, {y},
          [rn, w, ix, C, need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad(),
           wdt = weight.defined() ? weight.dtype() : kFloat32, bdt = bias.defined() ? bias.dtype() : kFloat32,
-          shape = x_in.shape()](const G& g) { return row_norm_backward(rn, g[0], w, ix, C, need_w, need_b, wdt, bdt, shape); });
+          shape = x_in.shape()](const G& g) { return row_norm_backward(rn, g[0], w, ix, C, need_w, need_b, wdt, bdt, shape); },
+         {rn.x});
   return y;
 }
 

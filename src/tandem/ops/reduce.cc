@@ -86,7 +86,7 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
           for (int64_t i = 0; i < inner; ++i) dst[(o * n + pi[o * inner + i]) * inner + i] = src[o * inner + i];
       });
       return G{gi};
-    });
+    }, {indices});
   }
   return {values, indices};
 }
@@ -106,7 +106,7 @@ Tensor max(const Tensor& x) {
       }
       mask = mask.to(g[0].dtype());
       return G{mul(mask, div(g[0], scalar_tensor(ties, g[0].dtype())))};
-    });
+    }, {x, value});
   }
   return value;
 }

@@ -502,7 +502,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   const Shape in_shape = x.shape();
   record("IndexSelectBackward", {x}, {out}, [in_shape, dim, ix](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{index_add_rows(in_shape, dim, ix, g[0])};
-  });
+  }, {ix});
   return out;
 }
 
@@ -531,7 +531,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices, std::optional<int6
   const Shape in_shape = weight.shape();
   record("EmbeddingBackward", {weight}, {result}, [in_shape, ix, padding_idx](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{index_add_rows(in_shape, 0, ix, g[0].reshape({-1, in_shape[1]}), padding_idx)};
-  });
+  }, {ix});
   return result;
 }
 

@@ -63,7 +63,19 @@ void Optimizer::step() {
                "a fused optimizer cannot be unscaled or clipped first)",
                name_, stepped_by_);
   update();
+  bump_versions();
   run_step_post_hooks();
+}
+
+void Optimizer::bump_versions() const {
+  // The update wrote through data pointers: mark each stepped parameter as written in place, so a
+  // backward through a graph that saved its old value throws instead of mixing old and new
+  // (PyTorch's optimizers update with in-place ops, which bump the version the same way).
+  for (const auto& g : groups_) {
+    for (const Tensor& p : g.params) {
+      if (p.grad().defined()) p.bump_version();
+    }
+  }
 }
 
 void Optimizer::step_subset(const std::vector<Tensor>& params) {
@@ -99,6 +111,7 @@ void Optimizer::step_subset(const std::vector<Tensor>& params) {
     }
   }
   update();
+  bump_versions();
 }
 
 int64_t Optimizer::register_step_post_hook(std::function<void(Optimizer&)> hook) {

@@ -94,6 +94,9 @@ class Optimizer {
   virtual void update() = 0;
 
  private:
+  // Tensor::bump_version() of every parameter update() stepped (those with a gradient).
+  void bump_versions() const;
+
   std::string name_;
   Options defaults_;
   std::vector<ParamGroup> groups_;
