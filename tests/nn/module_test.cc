@@ -424,6 +424,14 @@ TEST(Gpt, GenerateRefusesFloatIdsAndNonFiniteProbabilities) {
   auto gpt = nn::models::gpt({.vocab_size = 16, .context = 4, .n_layer = 1, .d_model = 8, .n_head = 2});
   EXPECT_THROW(gpt->generate(td::tensor(std::vector<double>{1.7, 2.2}, {1, 2}), 1), td::DTypeError);
   EXPECT_EQ(gpt->generate(td::tensor(std::vector<int64_t>{1, 2}, {1, 2}), 2).size(1), 4);
+  // An empty or 1-d prompt: an error that says what generate needs (it was select()'s).
+  try {
+    gpt->generate(td::zeros({2, 0}, td::kInt64), 2);
+    ADD_FAILURE() << "expected ShapeError";
+  } catch (const td::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("at least one token"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(gpt->generate(td::tensor(std::vector<int64_t>{1, 2}, {2}), 1), td::ShapeError);
   {
     td::NoGradGuard no_grad;
     for (auto& [name, p] : gpt->named_parameters()) p.fill_(NAN);

@@ -863,5 +863,38 @@ TEST(ConvNormAttnErrors, BadInputsNameTheValues) {
   EXPECT_THROW_WITH(ops::masked_fill(zeros({2, 2}), zeros({2, 2}), 1.0), DTypeError, {"float32"});
 }
 
+// A NaN output of the fused BatchNorm+ReLU passes its gradient (PyTorch's threshold_backward),
+// in both layouts: the channels-last weight/bias sums dropped it, so gradients depended on layout.
+TEST(NormGradcheck, BatchNormReluPassesGradientAtNanInBothLayouts) {
+  const Tensor x = leaf({2, 3, 4, 5}, -1, 1, 580).detach();
+  for (DType dt : {kFloat32, kBFloat16}) {
+    std::vector<std::vector<double>> gbs;
+    for (bool cl : {false, true}) {
+      Tensor w = tensor(std::vector<double>{1, NAN, 0.5}, {3}, dt);
+      Tensor b = zeros({3}, dt);
+      w.requires_grad_(true);
+      b.requires_grad_(true);
+      const Tensor xi = x.to(dt);
+      ops::sum(ops::batch_norm_relu(cl ? channels_last(xi) : xi, {}, {}, w, b, true)).backward();
+      gbs.push_back(b.grad().to_vector());
+      EXPECT_EQ(b.grad().to_vector()[1], 40.0) << dtype_name(dt) << (cl ? " channels-last" : " NCHW");
+    }
+    EXPECT_EQ(gbs[0], gbs[1]) << dtype_name(dt);
+  }
+}
+
+// A head dimension of 0: every score is 0, so each query averages v (torch 2.x); 1/sqrt(0) = inf
+// as the default scale made 0 * inf = NaN.
+TEST(AttentionGradcheck, EmptyHeadDimensionAveragesTheValues) {
+  const Tensor q = zeros({1, 2, 0}, kFloat64), k = zeros({1, 3, 0}, kFloat64);
+  const Tensor v = leaf({1, 3, 2}, -1, 1, 590).detach();
+  const Tensor want = ops::mean(v, {1}, true).expand({1, 2, 2});
+  EXPECT_TRUE(all_close(ops::scaled_dot_product_attention(q, k, v), want, 1e-15, 1e-15));
+  EXPECT_TRUE(all_close(ops::scaled_dot_product_attention_reference(q, k, v), want, 1e-15, 1e-15));
+  // Causal: query i averages the first i + 1 values.
+  const Tensor want_causal = ops::cat({v.narrow(1, 0, 1), ops::mean(v.narrow(1, 0, 2), {1}, true)}, 1);
+  EXPECT_TRUE(all_close(ops::scaled_dot_product_attention(q, k, v, true), want_causal, 1e-15, 1e-15));
+}
+
 }  // namespace
 }  // namespace tandem

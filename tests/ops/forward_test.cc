@@ -831,5 +831,24 @@ TEST(KernelTiming, CountsCallsAndFlopsOnlyWhenOn) {
   EXPECT_EQ(kernels::kernel_time(KernelKind::gemm).flops, 0.0);
 }
 
+// nn.Linear(0, out) works in PyTorch: the output is the bias, the gradients are empty for x and
+// w and the row count for b. (reshape({-1, 0}) could not infer the rows and threw.)
+TEST(ForwardLinalg, LinearWithNoInputFeaturesIsTheBias) {
+  Tensor x = zeros({3, 0}, kFloat64);
+  Tensor w = zeros({5, 0}, kFloat64);
+  Tensor b = f64({1, 2, 3, 4, 5}, {5});
+  x.requires_grad_(true);
+  w.requires_grad_(true);
+  b.requires_grad_(true);
+  const Tensor y = ops::linear(x, w, b);
+  EXPECT_EQ(y.shape(), (Shape{3, 5}));
+  EXPECT_EQ(y.to_vector(), ops::add(zeros({3, 5}, kFloat64), b.detach()).to_vector());
+  ops::sum(y).backward();
+  EXPECT_EQ(x.grad().shape(), (Shape{3, 0}));
+  EXPECT_EQ(w.grad().shape(), (Shape{5, 0}));
+  EXPECT_EQ(b.grad().to_vector(), (std::vector<double>(5, 3.0)));
+  EXPECT_EQ(ops::linear(zeros({2, 4, 0}, kFloat64), w, b).shape(), (Shape{2, 4, 5}));
+}
+
 }  // namespace
 }  // namespace tandem

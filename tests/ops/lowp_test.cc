@@ -540,5 +540,25 @@ TEST(LowPrecision, OutputDtypes) {
   }
 }
 
+// 16-bit sums accumulate in f32, which stops growing by 1 at 2^24: past that PyTorch (cascade
+// sums) still counts every value. Every sum here is exact in f32 blocks and f64 totals, and the
+// results (5 * 2^23, 5 * 2^22, 1.5 * 2^24) are exact in bf16, so they are compared exactly.
+TEST(LowPrecision, SumsOfMoreThanTwoTo24ValuesKeepCounting) {
+  const int64_t n = (int64_t{1} << 25) + (int64_t{1} << 23);
+  const Tensor flat = ones({n}, kBFloat16);
+  EXPECT_EQ(ops::sum(flat).item(), static_cast<double>(n));
+  EXPECT_EQ(ops::mean(flat).item(), 1.0);
+  EXPECT_EQ(ops::mean(ones({n}, kFloat16)).item(), 1.0);
+  // Leading dims reduced (rows added into an accumulator) and the last dim reduced (row sums).
+  EXPECT_EQ(ops::sum(flat.view({n / 2, 2}), {0}).to_vector(), (std::vector<double>{n / 2.0, n / 2.0}));
+  EXPECT_EQ(ops::sum(flat.view({2, n / 2}), {1}).to_vector(), (std::vector<double>{n / 2.0, n / 2.0}));
+  // linear's bias gradient (its own column sums) counts every row too.
+  const int64_t m = (int64_t{1} << 24) + (int64_t{1} << 23);
+  Tensor b = zeros({2}, kBFloat16);
+  b.requires_grad_(true);
+  ops::linear(zeros({m, 1}, kBFloat16), zeros({2, 1}, kBFloat16), b).backward(ones({m, 2}, kBFloat16));
+  EXPECT_EQ(b.grad().to_vector(), (std::vector<double>{static_cast<double>(m), static_cast<double>(m)}));
+}
+
 }  // namespace
 }  // namespace tandem

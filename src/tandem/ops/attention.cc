@@ -111,7 +111,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                     std::optional<double> scale_opt) {
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::scaled_dot_product_attention, [](const auto&... args) { return scaled_dot_product_attention(args...); }, q, k, v, causal, scale_opt);
   kernels::AttentionShape s = check_shapes(q, k, v, causal);
-  const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
+  // (D == 0: every score is 0 whatever the scale; 1, not 1/sqrt(0) = inf, which made 0 * inf = NaN.)
+  const double scale = scale_opt.value_or(s.D > 0 ? 1.0 / std::sqrt(static_cast<double>(s.D)) : 1.0);
   // bf16 runs in bf16 on AMX tiles or AVX512-BF16 where the CPU has them (attention.h), else in f32.
   const bool native_bf16 = q.dtype() == kBFloat16 && k.dtype() == kBFloat16 && v.dtype() == kBFloat16 &&
                            kernels::attention_bf16_native();
@@ -206,14 +207,15 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                       make_view(low, vs, q_strides, dv.offset())};
            }
            return G{dq.to(dq_t), dk.to(dq_t), dv.to(dq_t)};
-         });
+         }, {qc, kc, vc, out});
   return result;
 }
 
 Tensor scaled_dot_product_attention_reference(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                               std::optional<double> scale_opt) {
   const kernels::AttentionShape s = check_shapes(q, k, v, causal);
-  const double scale = scale_opt.value_or(1.0 / std::sqrt(static_cast<double>(s.D)));
+  // (D == 0: every score is 0 whatever the scale; 1, not 1/sqrt(0) = inf, which made 0 * inf = NaN.)
+  const double scale = scale_opt.value_or(s.D > 0 ? 1.0 / std::sqrt(static_cast<double>(s.D)) : 1.0);
   Tensor scores = mul(matmul(q, k.transpose(-1, -2)), scale);
   if (causal) {
     Tensor above = empty({s.T, s.S}, kBool);

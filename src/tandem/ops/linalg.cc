@@ -2,6 +2,8 @@
 // oneDNN, never copies.
 #include "tandem/ops/linalg.h"
 
+#include <algorithm>
+
 #include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/channel_math.h"
@@ -31,24 +33,32 @@ Tensor mm_raw(const Tensor& a, const Tensor& b) {
 }
 
 // Bias gradient of linear: the column sums of g2 (M, N). 16-bit gradients: rows widened to f32
-// and added into an f32 accumulator row by row (kernels::sum's order and precision for these
-// dtypes, vectorised); other dtypes through sum_to.
+// and added into an f32 accumulator row by row, folded into f64 every 4096 rows (kernels::sum's
+// order and precision for these dtypes, vectorised); other dtypes through sum_to.
 Tensor bias_grad(const Tensor& g2, int64_t N) {
   if (!is_reduced_float(g2.dtype()) || !g2.is_contiguous()) return sum_to(g2, {N});
+  constexpr int64_t kFoldEvery = 4096;  // kernels/cpu/reduce.cc's
   const int64_t M = g2.size(0);
-  std::vector<float> acc(static_cast<size_t>(N), 0.0f);
-  if (g2.dtype() == kBFloat16 && N > 1) {
-    // The same sums in the same order (each column row by row), each row widened in registers.
-    kernels::channel_sum(static_cast<const bfloat16*>(g2.data_ptr()), M, N, acc.data());
-  } else {
-    std::vector<float> row(static_cast<size_t>(N));
-    const char* p = static_cast<const char*>(g2.data_ptr());
-    const size_t es = g2.element_size();
-    for (int64_t r = 0; r < M; ++r) {
-      convert(p + static_cast<size_t>(r * N) * es, g2.dtype(), row.data(), kFloat32, N);
-      kernels::add_into_f32(acc.data(), row.data(), N);
+  std::vector<float> acc(static_cast<size_t>(N));
+  std::vector<double> total(static_cast<size_t>(N), 0.0);
+  std::vector<float> row(static_cast<size_t>(N));
+  const char* p = static_cast<const char*>(g2.data_ptr());
+  const size_t es = g2.element_size();
+  for (int64_t r0 = 0; r0 < M; r0 += kFoldEvery) {
+    const int64_t rows = std::min(kFoldEvery, M - r0);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    if (g2.dtype() == kBFloat16 && N > 1) {
+      // The same sums in the same order (each column row by row), each row widened in registers.
+      kernels::channel_sum(reinterpret_cast<const bfloat16*>(p + static_cast<size_t>(r0 * N) * es), rows, N, acc.data());
+    } else {
+      for (int64_t r = r0; r < r0 + rows; ++r) {
+        convert(p + static_cast<size_t>(r * N) * es, g2.dtype(), row.data(), kFloat32, N);
+        kernels::add_into_f32(acc.data(), row.data(), N);
+      }
     }
+    for (int64_t c = 0; c < N; ++c) total[c] += static_cast<double>(acc[c]);
   }
+  for (int64_t c = 0; c < N; ++c) acc[c] = static_cast<float>(total[c]);
   Tensor out = empty({N}, g2.dtype());
   convert(acc.data(), kFloat32, out.data_ptr(), g2.dtype(), N);
   return out;
@@ -99,7 +109,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     if (ra) ga = sum_to(matmul(g[0], b.transpose(-1, -2)), a.shape());
     if (rb) gb = sum_to(matmul(a.transpose(-1, -2), g[0]), b.shape());
     return G{ga, gb};
-  });
+  }, {b.requires_grad() ? a : Tensor(), a.requires_grad() ? b : Tensor()});
   return out;
 }
 
@@ -117,7 +127,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
                  shape_str(weight.shape()), weight.size(0));
   }
   const int64_t in = weight.size(1), outf = weight.size(0);
-  const Tensor x2 = x.detach().reshape({-1, in});
+  // (M from the batch dims, not -1: with in == 0 reshape could not infer it.)
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  const Tensor x2 = x.detach().reshape({rows, in});
   const int64_t M = x2.size(0);
   // y = x W^T (+ b): W^T is W's transposed view, bias added by oneDNN in the same pass.
   Tensor y = kernels::gemm(x2.unsqueeze(0), weight.detach().t().unsqueeze(0), bias.defined() ? bias.detach() : Tensor(),
@@ -152,7 +165,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     }
     if (rb) grads[2] = bias_grad(g2, outf);
     return grads;
-  });
+  }, {rw ? x2 : Tensor(), rx ? weight : Tensor()});
   return out;
 }
 

@@ -106,7 +106,7 @@ TANDEM_CLONES void sum_grad_rows(const In* __restrict g, const In* __restrict y,
     const In* xr = x + r * C;
     for (int64_t c = 0; c < C; ++c) {
       const float gl = ld(gr, c);
-      const float gv = kMask ? (ld(yr, c) > 0.0f ? gl : 0.0f) : gl;
+      const float gv = kMask ? (!(ld(yr, c) <= 0.0f) ? gl : 0.0f) : gl;  // NaN passes, as above
       sg[c] += gv;
       sgx[c] += gv * (ld(xr, c) - m[c]);
     }

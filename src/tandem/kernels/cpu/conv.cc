@@ -162,9 +162,12 @@ std::unordered_map<std::string, std::shared_ptr<Plan>>& plans() {
 
 std::shared_ptr<Plan> plan_for(const Shape& xs, const Shape& ws, const Shape& ys, const Conv2dParams& p, DType dt,
                                bool bias, const Geometry& g) {
+  // oneDNN fixes a primitive's thread count when it is made: make it with this thread's share
+  // (get_num_threads()) and key the plan by it, so set_num_threads() takes effect.
+  dnnl_sync_threads();
   const std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}", shape_str(xs), shape_str(ws), p.stride[0], p.stride[1],
                                       p.padding[0], p.padding[1], p.dilation[0], p.dilation[1],
-                                      fmt::format("{}|{}|{}", p.groups, static_cast<int>(dt), bias));
+                                      fmt::format("{}|{}|{}|{}", p.groups, static_cast<int>(dt), bias, get_num_threads()));
   std::lock_guard<std::mutex> lock(plans_mu);
   auto it = plans().find(key);
   if (it != plans().end()) return it->second;

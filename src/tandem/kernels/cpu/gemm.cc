@@ -68,10 +68,13 @@ void gemm_dnnl(const Tensor& a0, const Tensor& b0, const Tensor& bias, Tensor& c
   const dims a_str{a.size(0) == 1 ? M * K : a.stride(0), a.stride(1), a.stride(2)};
   const dims b_str{b.size(0) == 1 ? K * N : b.stride(0), b.stride(1), b.stride(2)};
   const dims c_str{M * N, N, 1};
-  const std::string key = fmt::format("{},{},{}|{},{},{}|{},{},{}|{},{},{}|{}{}{}|{}", a_dims[0], M, K, b_dims[0], N, B,
-                                      a_str[0], a_str[1], a_str[2], b_str[0], b_str[1], b_str[2],
+  // oneDNN fixes a primitive's thread count when it is made: make it with this thread's share
+  // (get_num_threads()) and key it by that, so set_num_threads() takes effect.
+  dnnl_sync_threads();
+  const std::string key = fmt::format("{},{},{}|{},{},{}|{},{},{}|{},{},{}|{}{}{}|{}|t{}", a_dims[0], M, K, b_dims[0], N,
+                                      B, a_str[0], a_str[1], a_str[2], b_str[0], b_str[1], b_str[2],
                                       static_cast<int>(a.dtype()), static_cast<int>(c.dtype()),
-                                      bias.defined() ? static_cast<int>(bias.dtype()) : -1, 0);
+                                      bias.defined() ? static_cast<int>(bias.dtype()) : -1, 0, get_num_threads());
   Runtime& rt = runtime();
   const dnnl::memory::desc a_md(a_dims, dnnl_type(a.dtype(), "matmul"), a_str);
   const dnnl::memory::desc b_md(b_dims, dnnl_type(b.dtype(), "matmul"), b_str);

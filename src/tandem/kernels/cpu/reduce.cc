@@ -52,6 +52,10 @@ Tensor kept_then_reduced(const Tensor& x, const std::vector<int64_t>& dims, int6
   return x.detach().permute(perm).contiguous();
 }
 
+// How many values (or rows) an f32 partial sum takes before it is added into an f64 total: far
+// below 2^24, where an f32 sum stops growing by values near 1.
+constexpr int64_t kFoldEvery = 4096;
+
 // acc[j] += row[j] in Acc; f32 rows into f64 sums through the vectorised row kernel (the same sums).
 template <class Acc, class T>
 void add_row(Acc* acc, const T* row, int64_t n) {
@@ -80,13 +84,23 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DTyp
       for (int64_t d = static_cast<int64_t>(dims.size()); d < x.dim(); ++d) O *= x.size(d);
       const T* p = static_cast<const T*>(x.data_ptr());
       std::vector<Acc> acc(static_cast<size_t>(O), Acc(0));
+      // f32 sums of 16-bit values are folded into f64 every kFoldEvery rows (an f32 sum that
+      // reached 2^24 would stop growing by values near 1).
+      std::vector<double> total(std::is_same_v<Acc, float> ? static_cast<size_t>(O) : 0, 0.0);
       for (int64_t r = 0; r < R; ++r) {
         const T* row = p + r * O;
         add_row(acc.data(), row, O);
+        if (std::is_same_v<Acc, float> && ((r + 1) % kFoldEvery == 0 || r + 1 == R)) {
+          for (int64_t j = 0; j < O; ++j) total[j] += static_cast<double>(acc[j]);
+          std::fill(acc.begin(), acc.end(), Acc(0));
+        }
       }
       TANDEM_DISPATCH_FLOATING(out_dtype, "sum", [&] {
         auto* o = static_cast<scalar_t*>(out.data_ptr());
-        for (int64_t j = 0; j < O; ++j) o[j] = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>(acc[j]));
+        for (int64_t j = 0; j < O; ++j) {
+          const double v = std::is_same_v<Acc, float> ? total[j] : static_cast<double>(acc[j]);
+          o[j] = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>(v));
+        }
       });
       return;
     }
@@ -98,17 +112,23 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DTyp
       parallel_for(0, O, std::max<int64_t>(1, 32768 / std::max<int64_t>(R, 1)), [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) {
           const T* row = p + i * R;
-          // Four partial sums: independent chains vectorise and lose less to rounding.
-          Acc s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-          int64_t j = 0;
-          for (; j + 4 <= R; j += 4) {
-            s0 += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
-            s1 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 1]));
-            s2 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 2]));
-            s3 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 3]));
+          // Four partial sums: independent chains vectorise and lose less to rounding. In f32
+          // (16-bit inputs) each block of kFoldEvery elements is then added into an f64 total.
+          double total = 0;
+          for (int64_t j0 = 0; j0 < R; j0 += kFoldEvery) {
+            const int64_t end = std::min(R, j0 + kFoldEvery);
+            Acc s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            int64_t j = j0;
+            for (; j + 4 <= end; j += 4) {
+              s0 += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+              s1 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 1]));
+              s2 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 2]));
+              s3 += static_cast<Acc>(static_cast<compute_t<T>>(row[j + 3]));
+            }
+            for (; j < end; ++j) s0 += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
+            total += static_cast<double>((s0 + s1) + (s2 + s3));
           }
-          for (; j < R; ++j) s0 += static_cast<Acc>(static_cast<compute_t<T>>(row[j]));
-          o[i] = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>((s0 + s1) + (s2 + s3)));
+          o[i] = static_cast<scalar_t>(static_cast<compute_t<scalar_t>>(total));
         }
       });
     });

@@ -75,6 +75,11 @@ Tensor Gpt::generate(const Tensor& idx_in, int64_t n, double temperature, Genera
   TANDEM_CHECK(!is_floating(idx_in.dtype()), DTypeError,
                "GPT.generate: token ids must be integers, got {} (a float id would be truncated)",
                dtype_name(idx_in.dtype()));
+  TANDEM_CHECK(idx_in.dim() == 2 && idx_in.size(1) >= 1, ShapeError,
+               "GPT.generate: expected a prompt of token ids of shape (batch, T) with T >= 1, got shape {}; give at "
+               "least one token per sequence (a 1-d prompt: unsqueeze(0) it)",
+               shape_str(idx_in.shape()));
+  TANDEM_CHECK(n >= 0, ValueError, "GPT.generate: the number of new tokens must be >= 0, got {}", n);
   NoGradGuard no_grad;
   Generator& g = gen ? *gen : default_generator();
   Tensor idx = idx_in.to(kInt64).contiguous();
