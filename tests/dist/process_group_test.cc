@@ -167,6 +167,78 @@ TEST(InitProcessGroup, MissingVariablesAreNamedWithTheFix) {
   EXPECT_THROW(get_rank(), ValueError);
 }
 
+int unused_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// init_method's query gives rank and world_size, as PyTorch's rendezvous reads it (a tcp:// URL
+// with them said "RANK is not set"; a file:// one made a file named "x?rank=0&world_size=1").
+TEST(InitProcessGroup, TheUrlsQueryGivesRankAndWorldSize) {
+  EnvGuard g;
+  InitOptions o;
+  o.timeout = 10s;
+  o.init_method = fmt::format("tcp://127.0.0.1:{}/?rank=0&world_size=1", unused_port());
+  {
+    auto pg = init_process_group(o);
+    EXPECT_EQ(get_rank(), 0);
+    EXPECT_EQ(get_world_size(), 1);
+    destroy_process_group();
+  }
+  const std::string path = fmt::format("/tmp/tandem_url_query_{}", static_cast<long>(getpid()));
+  std::remove(path.c_str());
+  o.init_method = "file://" + path + "?world_size=1&rank=0";
+  {
+    auto pg = init_process_group(o);
+    destroy_process_group();
+  }
+  EXPECT_TRUE(std::filesystem::exists(path));
+  std::remove(path.c_str());
+  // Given twice, or an unknown parameter: errors naming them.
+  o.init_method = "file://" + path + "?rank=0&world_size=1";
+  o.rank = 0;
+  std::string m = init_error(o);
+  EXPECT_NE(m.find("gives rank=0 and InitOptions::rank is 0; give it once"), std::string::npos) << m;
+  o.rank = -1;
+  o.init_method = "file://" + path + "?rank=0&wrold_size=1";
+  m = init_error(o);
+  EXPECT_NE(m.find("unknown query parameter \"wrold_size\""), std::string::npos) << m;
+  o.init_method = "tcp://127.0.0.1:http?rank=0&world_size=1";
+  m = init_error(o);
+  EXPECT_NE(m.find("port 'http' is not a TCP port"), std::string::npos) << m;
+  std::remove(path.c_str());
+  EXPECT_FALSE(is_initialized());
+}
+
+// destroy_process_group forgets the groups; one still held keeps the store (and its port) alive,
+// and a re-init on that port says so instead of blaming "another process".
+TEST(InitProcessGroup, ReinitWhileAGroupOfTheDestroyedOneIsHeldSaysWhy) {
+  EnvGuard g;
+  InitOptions o;
+  o.timeout = 10s;
+  o.init_method = fmt::format("tcp://127.0.0.1:{}?rank=0&world_size=1", unused_port());
+  auto held = init_process_group(o);
+  destroy_process_group();
+  try {
+    init_process_group(o);
+    ADD_FAILURE() << "no error";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("still alive in this process"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(is_initialized());
+  held.reset();
+  auto again = init_process_group(o);  // the port is free once the last reference went
+  EXPECT_TRUE(is_initialized());
+  destroy_process_group();
+}
+
 TEST(InitProcessGroup, BackendsByName) {
   EXPECT_TRUE(backend_available("shm"));
   EXPECT_FALSE(backend_available("carrier-pigeon"));

@@ -25,7 +25,7 @@ void put_u32(Bytes& out, uint32_t v) {
 
 class FileStore::Locked {
  public:
-  Locked(int fd, const std::string& path) : fd_(fd), path_(path) {
+  Locked(std::mutex& mu, int fd, const std::string& path) : guard_(mu), fd_(fd), path_(path) {
     while (flock(fd_, LOCK_EX) != 0) {
       if (errno != EINTR) throw IOError(fmt::format("FileStore {}: flock failed: {}", path_, std::strerror(errno)));
     }
@@ -88,6 +88,7 @@ class FileStore::Locked {
     }
   }
 
+  std::lock_guard<std::mutex> guard_;  // first: held before the flock, released after it
   int fd_;
   const std::string& path_;
 };
@@ -103,20 +104,20 @@ FileStore::~FileStore() {
 }
 
 void FileStore::set(const std::string& key, const Bytes& value) {
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   l.append(1, key, value);
 }
 
 Bytes FileStore::get(const std::string& key) {
   wait({key}, timeout());
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   auto it = l.map.find(key);
   TANDEM_CHECK(it != l.map.end(), CommError, "FileStore {}: key '{}' was deleted while get() waited", path_, key);
   return it->second;
 }
 
 int64_t FileStore::add(const std::string& key, int64_t delta) {
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   int64_t current = 0;
   if (auto it = l.map.find(key); it != l.map.end()) current = detail::parse_counter(key, it->second);
   const int64_t v = detail::checked_add(key, current, delta);
@@ -125,7 +126,7 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
 }
 
 Bytes FileStore::compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) {
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   auto it = l.map.find(key);
   if (it == l.map.end()) {
     if (expected.empty()) {
@@ -142,12 +143,13 @@ Bytes FileStore::compare_set(const std::string& key, const Bytes& expected, cons
 }
 
 void FileStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  detail::check_timeout(timeout, "FileStore: wait");
   const auto deadline = Clock::now() + timeout;
   auto sleep = std::chrono::milliseconds(1);
   for (;;) {
     std::vector<std::string> missing;
     {
-      Locked l(fd_, path_);
+      Locked l(mu_, fd_, path_);
       for (const auto& k : keys) {
         if (!l.map.count(k)) missing.push_back(k);
       }
@@ -164,19 +166,19 @@ void FileStore::wait(const std::vector<std::string>& keys, std::chrono::millisec
 }
 
 bool FileStore::check(const std::vector<std::string>& keys) {
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return l.map.count(k) > 0; });
 }
 
 bool FileStore::delete_key(const std::string& key) {
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   if (!l.map.count(key)) return false;
   l.append(2, key, {});
   return true;
 }
 
 int64_t FileStore::num_keys() {
-  Locked l(fd_, path_);
+  Locked l(mu_, fd_, path_);
   return static_cast<int64_t>(l.map.size());
 }
 

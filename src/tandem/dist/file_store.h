@@ -1,9 +1,10 @@
 // FileStore: a Store in one file on a filesystem every rank sees (init_method "file:///path"),
 // after c10d's FileStore. The file is an append-only log of set/delete records; every call takes
-// an flock() on it, replays the log and appends. Blocking calls poll with growing sleeps (1..20 ms)
+// an flock() on it (and a mutex, for this object's threads), replays the log and appends. Blocking calls poll with growing sleeps (1..20 ms)
 // up to their timeout. Meant for rendezvous (a few keys), not for traffic.
 #pragma once
 
+#include <mutex>
 #include <string>
 
 #include "tandem/dist/store.h"
@@ -33,6 +34,9 @@ class FileStore final : public Store {
   class Locked;  // the file locked, its log replayed into a map
   std::string path_;
   int fd_ = -1;
+  // flock() excludes other open file descriptions only; this one's threads share fd_, so they
+  // take this mutex first (c10d's FileStore locks a mutex too).
+  std::mutex mu_;
 };
 
 }  // namespace tandem::dist

@@ -49,6 +49,46 @@ int int_var(const char* name, int min_value) {
   return v == nullptr ? -1 : parse_int_var(name, v, min_value);
 }
 
+// init_method without its "?query" (and, for tcp://, without a "/path" after the port), with the
+// query's rank and world_size (-1 when absent), as PyTorch's rendezvous() reads them.
+struct InitUrl {
+  std::string base;
+  int rank = -1;
+  int world_size = -1;
+};
+
+InitUrl parse_init_url(const std::string& m) {
+  InitUrl u;
+  const size_t q = m.find('?');
+  u.base = m.substr(0, q);
+  if (u.base.rfind("tcp://", 0) == 0) {
+    if (const size_t slash = u.base.find('/', 6); slash != std::string::npos) u.base.resize(slash);
+  }
+  if (q == std::string::npos) return u;
+  const std::string query = m.substr(q + 1);
+  size_t pos = 0;
+  while (pos <= query.size()) {
+    size_t amp = query.find('&', pos);
+    if (amp == std::string::npos) amp = query.size();
+    const std::string item = query.substr(pos, amp - pos);
+    pos = amp + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq), value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    const std::string what = fmt::format("{} in init_method '{}'", key, m);
+    if (key == "rank") {
+      u.rank = parse_int_var(what.c_str(), value.c_str(), 0);
+    } else if (key == "world_size") {
+      u.world_size = parse_int_var(what.c_str(), value.c_str(), 1);
+    } else if (key != "use_libuv") {  // PyTorch's TCPStore option: nothing to choose here
+      throw ValueError(fmt::format("init_method '{}': unknown query parameter \"{}\"; the query may give rank and "
+                                   "world_size (e.g. ?rank=0&world_size=2)",
+                                   m, key));
+    }
+  }
+  return u;
+}
+
 }  // namespace
 
 // The first host of a Slurm node list: "node[01-04,07],login1" -> "node01", "a,b" -> "a",
@@ -135,6 +175,10 @@ struct GroupState {
   std::vector<std::weak_ptr<ProcessGroup>> subgroups;
   int64_t next_subgroup = 0;
   std::vector<Announcement> announced;  // the default group's rendezvous, as this rank read it
+  // The store of the last destroyed default group: alive while the caller still holds one of its
+  // groups (their references keep it; its TCPStore server keeps its port).
+  std::weak_ptr<Store> destroyed_store;
+  int destroyed_port = -1;  // its TCPStore's port, when it hosts one
 };
 
 GroupState& state() {
@@ -351,7 +395,7 @@ void release_store_host(Store& store, const std::string& prefix, int rank, int s
 }
 
 std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, int world_size) {
-  const std::string& m = o.init_method;
+  const std::string m = parse_init_url(o.init_method).base;
   auto need = [](bool ok, const char* what) {
     TANDEM_CHECK(ok, ValueError, "{}", what);
   };
@@ -383,8 +427,13 @@ std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, in
                  "init_method '{}' must be tcp://host:port", m);
     host = hp.substr(0, colon);
     if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    port = parse_int_var("the port of init_method", hp.substr(colon + 1).c_str(), 1);
-    TANDEM_CHECK(port <= 65535, ValueError, "init_method '{}': port {} is not a TCP port", m, port);
+    const std::string port_text = hp.substr(colon + 1);
+    char* end = nullptr;
+    errno = 0;
+    const long p = std::strtol(port_text.c_str(), &end, 10);
+    TANDEM_CHECK(errno == 0 && end != port_text.c_str() && *end == '\0' && p >= 1 && p <= 65535, ValueError,
+                 "init_method '{}': port '{}' is not a TCP port (1..65535)", o.init_method, port_text);
+    port = static_cast<int>(p);
   } else if (m.rfind("file://", 0) == 0) {
     const std::string path = m.substr(7);
     TANDEM_CHECK(!path.empty() && path[0] == '/', ValueError,
@@ -426,6 +475,18 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   TANDEM_CHECK(s.default_pg == nullptr, ValueError,
                "init_process_group was already called in this process; call destroy_process_group() first");
   int rank = options.rank, world_size = options.world_size;
+  // rank and world_size from the URL's query (tcp://host:port?rank=0&world_size=2), as in PyTorch,
+  // which refuses them given twice.
+  const InitUrl url = parse_init_url(options.init_method);
+  TANDEM_CHECK(url.rank < 0 || options.rank < 0, ValueError,
+               "init_process_group: init_method '{}' gives rank={} and InitOptions::rank is {}; give it once",
+               options.init_method, url.rank, options.rank);
+  TANDEM_CHECK(url.world_size < 0 || options.world_size < 0, ValueError,
+               "init_process_group: init_method '{}' gives world_size={} and InitOptions::world_size is {}; give it "
+               "once",
+               options.init_method, url.world_size, options.world_size);
+  if (url.rank >= 0) rank = url.rank;
+  if (url.world_size >= 0) world_size = url.world_size;
   if (rank < 0 || world_size < 0) {
     const LaunchEnv env = read_launch_env();
     if (rank < 0) rank = env.rank;
@@ -438,11 +499,24 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                "WORLD_SIZE is not set: run under `tandem run`, torchrun, mpirun or srun, or set WORLD_SIZE, "
                "or pass InitOptions::world_size");
   TANDEM_CHECK(rank < world_size, ValueError, "rank {} is not below the world size {}", rank, world_size);
-  TANDEM_CHECK(options.timeout.count() > 0, ValueError, "init_process_group: timeout must be positive");
+  detail::check_timeout(options.timeout, "init_process_group");
   TANDEM_CHECK(options.backend == "shm" || options.backend == "mpi" || options.backend == "gloo" ||
                    options.backend == "nccl",
                ValueError, "unknown process-group backend '{}': expected shm, mpi, gloo or nccl", options.backend);
-  std::shared_ptr<Store> store = options.store ? options.store : store_from_init_method(options, rank, world_size);
+  std::shared_ptr<Store> store;
+  try {
+    store = options.store ? options.store : store_from_init_method(options, rank, world_size);
+  } catch (const CommError& e) {
+    // Only when hosting failed on the port the destroyed group's store still holds.
+    if (s.destroyed_store.expired() || s.destroyed_port <= 0 ||
+        std::string(e.what()).find(fmt::format("port {}", s.destroyed_port)) == std::string::npos)
+      throw;
+    throw CommError(fmt::format("{} (the store of the default group destroyed earlier is still alive in this process: "
+                                "a ProcessGroup, new_group or DDP object made from it is still held; destroy_process_group "
+                                "forgets groups, their last reference frees them: drop those before init_process_group "
+                                "again)",
+                                e.what()));
+  }
   const std::string name = options.group_name.empty() ? "default_pg" : options.group_name;
   std::vector<Announcement> announced =
       rendezvous(*store, name + "/init", rank, world_size, options.backend, options.timeout);
@@ -546,6 +620,9 @@ void destroy_process_group() {
     std::lock_guard lock(s.mu);
     pg = std::move(s.default_pg);
     store = std::move(s.store);
+    s.destroyed_store = store;
+    const auto tcp = std::dynamic_pointer_cast<TCPStore>(store);
+    s.destroyed_port = tcp ? tcp->port() : -1;
     s.subgroups.clear();
     s.announced.clear();
     s.default_pg = nullptr;

@@ -41,9 +41,12 @@ const std::string& Work::description() const {
   return description_;
 }
 
-void Work::wait() { wait(default_wait_); }
+// (A backend's default is its group timeout plus a margin: kept within what wait() accepts.)
+void Work::wait() { wait(std::min(default_wait_, detail::kMaxTimeout)); }
 
 void Work::wait(std::chrono::milliseconds timeout) {
+  // (0 polls: a completed work returns, another times out at once.)
+  if (timeout.count() > 0) detail::check_timeout(timeout, "Work::wait");
   // Completed already (the common case for small collectives run on the caller's thread): no
   // lock, no clock.
   if (!done_.load(std::memory_order_acquire)) {
@@ -87,8 +90,7 @@ ProcessGroup::ProcessGroup(int rank, int size, ProcessGroupOptions options)
     : rank_(rank), size_(size), options_(options) {
   TANDEM_CHECK(size >= 1, ValueError, "process group size must be >= 1, got {}", size);
   TANDEM_CHECK(rank >= 0 && rank < size, ValueError, "rank {} is outside the group of size {}", rank, size);
-  TANDEM_CHECK(options.timeout.count() > 0, ValueError,
-               "process group timeout must be positive, got {} ms", options.timeout.count());
+  detail::check_timeout(options.timeout, "process group");
 }
 
 void ProcessGroup::unsupported(const char* op) const {

@@ -216,7 +216,11 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks,
 // `group_size` ranks; every rank makes every group (new_group's rule) and gets its own. Throws
 // ValueError when group_size does not divide the default group's size.
 std::shared_ptr<ProcessGroup> new_subgroups(int group_size, std::chrono::milliseconds timeout = Store::kDefaultTimeout);
-// Destroys the default group and every group made from it.
+// Forgets the default group and every group made from it: is_initialized() is false again and
+// init_process_group may be called anew. A group is destroyed (its threads, shared memory and,
+// on the rank hosting it, the store's port released) when its last reference goes, so groups and
+// DDP objects the caller still holds keep working until dropped (PyTorch's shuts them down);
+// re-initialising on the same port while one is held is an error saying so.
 void destroy_process_group();
 // A barrier on the default group, waited for.
 void barrier();

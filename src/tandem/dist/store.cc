@@ -41,6 +41,13 @@ std::string quote_keys(const std::vector<std::string>& keys) {
   return out;
 }
 
+void check_timeout(std::chrono::milliseconds timeout, const char* what) {
+  TANDEM_CHECK(timeout.count() > 0 && timeout <= kMaxTimeout, ValueError,
+               "{}: timeout must be positive and at most {} ms (365 days), got {} ms; there is no \"wait forever\" "
+               "(every blocking wait has a deadline): give a finite timeout",
+               what, kMaxTimeout.count(), timeout.count());
+}
+
 }  // namespace detail
 
 // ---- Store ----
@@ -48,7 +55,7 @@ std::string quote_keys(const std::vector<std::string>& keys) {
 Store::Store(std::chrono::milliseconds timeout) : timeout_ms_(0) { Store::set_timeout(timeout); }
 
 void Store::set_timeout(std::chrono::milliseconds timeout) {
-  TANDEM_CHECK(timeout.count() > 0, ValueError, "store: timeout must be positive, got {} ms", timeout.count());
+  detail::check_timeout(timeout, "store");
   timeout_ms_.store(timeout.count());
 }
 
@@ -101,7 +108,7 @@ Bytes HashStore::compare_set(const std::string& key, const Bytes& expected, cons
 }
 
 void HashStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  TANDEM_CHECK(timeout.count() > 0, ValueError, "store: wait timeout must be positive, got {} ms", timeout.count());
+  detail::check_timeout(timeout, "store: wait");
   std::unique_lock lock(mu_);
   auto all_present = [&] {
     for (const auto& key : keys)

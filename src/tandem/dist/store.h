@@ -68,7 +68,8 @@ class Store {
   // The number of keys in the store (for a PrefixStore: in the store underneath, as in c10d).
   virtual int64_t num_keys() = 0;
 
-  // The timeout of get() and wait(keys); must be positive (there is no "wait forever").
+  // The timeout of get() and wait(keys); must be positive and at most 365 days (there is no
+  // "wait forever").
   virtual void set_timeout(std::chrono::milliseconds timeout);
   virtual std::chrono::milliseconds timeout() const;
 
@@ -135,6 +136,11 @@ int64_t parse_counter(const std::string& key, const Bytes& value);
 int64_t checked_add(const std::string& key, int64_t current, int64_t delta);
 // "a", "b", ... (at most a few, then "and N more") for error messages.
 std::string quote_keys(const std::vector<std::string>& keys);
+// The longest timeout accepted anywhere (365 days): a deadline now + timeout must not overflow
+// (milliseconds::max() is not "forever": it timed out at once).
+inline constexpr std::chrono::milliseconds kMaxTimeout{int64_t{365} * 24 * 3600 * 1000};
+// Throws ValueError naming `what` unless 0 < timeout <= kMaxTimeout.
+void check_timeout(std::chrono::milliseconds timeout, const char* what);
 }  // namespace detail
 
 }  // namespace tandem::dist

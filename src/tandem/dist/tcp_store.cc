@@ -383,7 +383,7 @@ Bytes keys_request(wire::Op op, const std::vector<std::string>& keys) {
 }  // namespace
 
 void TCPStore::wait(const std::vector<std::string>& keys, milliseconds timeout) {
-  TANDEM_CHECK(timeout.count() > 0, ValueError, "TCPStore: wait timeout must be positive, got {} ms", timeout.count());
+  detail::check_timeout(timeout, "TCPStore: wait");
   check_keys("wait", keys);
   roundtrip(fmt::format("wait({})", detail::quote_keys(keys)), keys_request(wire::Op::kWait, keys), timeout);
 }
