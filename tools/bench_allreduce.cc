@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -66,13 +67,23 @@ Args parse(int argc, char** argv) {
       return argv[++i];
     };
     const std::string name = k.substr(0, k.find('='));
-    if (name == "--nproc" || name == "--nproc-per-node" || name == "--nproc_per_node") a.nproc = std::stoi(val());
+    // A whole decimal integer in [lo, hi], else an error naming the flag and the text (stoi said
+    // only "stoi", and took "2x" as 2).
+    auto integer = [&](int lo, int hi) {
+      const std::string text = val();
+      int v = 0;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      TANDEM_CHECK(ec == std::errc() && end == text.data() + text.size() && v >= lo && v <= hi, ValueError,
+                   "tandem bench allreduce: {} expects an integer in [{}, {}], got \"{}\"", name, lo, hi, text);
+      return v;
+    };
+    if (name == "--nproc" || name == "--nproc-per-node" || name == "--nproc_per_node") a.nproc = integer(1, 4096);
     else if (name == "--backend") a.backend = val();
     else if (name == "--dtype") a.dtype = val();
     else if (name == "--min-bytes" || name == "--min_bytes") a.min_bytes = parse_bytes(val());
     else if (name == "--max-bytes" || name == "--max_bytes") a.max_bytes = parse_bytes(val());
-    else if (name == "--iters") a.iters = std::stoi(val());
-    else if (name == "--warmup") a.warmup = std::stoi(val());
+    else if (name == "--iters") a.iters = integer(1, 1 << 30);
+    else if (name == "--warmup") a.warmup = integer(0, 1 << 30);
     else if (name == "--json") a.json = true;
     else throw ValueError(fmt::format("tandem bench allreduce: unknown option '{}' (see --help)", k));
   }

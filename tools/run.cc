@@ -15,20 +15,28 @@
 // The launchers' own keys live under "/tandem_run/".
 #include <poll.h>
 #include <sched.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
+
+#if TANDEM_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "tandem/core/error.h"
 #include "tandem/dist/tcp_store.h"
@@ -60,9 +68,11 @@ the launcher dies. When a worker fails the others are stopped, the failure is re
 worker's last stderr lines, and the group restarts up to --max-restarts times.
 
 options (torchrun's underscore spellings and --opt=value also work):
-  --nproc-per-node N     workers on this node (an integer, or "auto"/"cpu": one per allowed core) [1]
+  --nproc-per-node N     workers on this node: an integer, "auto"/"cpu" (one per allowed core: Tandem
+                         computes on CPU cores, where torchrun's auto counts GPUs) or "gpu" (one per
+                         visible CUDA device) [1]
   --nnodes M             nodes in the job [1]
-  --node-rank R          this node, 0..M-1; node 0 hosts the store [0]
+  --node-rank R          this node, 0..M-1; node 0 hosts the store (needed with --nnodes > 1) [0]
   --master-addr A        host of node 0's store [127.0.0.1]
   --master-port P        port of node 0's store [29500; on one node a free port unless given]
   --rdzv-endpoint A:P    same as --master-addr A --master-port P ([IPv6]:P too)
@@ -72,8 +82,11 @@ options (torchrun's underscore spellings and --opt=value also work):
   --local-addr A         accepted for torchrun; not needed
   --standalone           one node, store on a free port on 127.0.0.1 (ignores --master-port)
   --max-restarts K       restart the whole group up to K times after a failure [0]
-  --log-dir D            write D/attempt_<k>/<rank>/{stdout,stderr}.log instead of the console
-  --tee [N]              with --log-dir: also copy to the console (N accepted for torchrun; any N)
+  --log-dir D            write D/attempt_<k>/<rank>/{stdout,stderr}.log instead of the console (D must
+                         not hold an earlier run's logs)
+  --tee [N], -t [N]      with --log-dir: also copy to the console (N, torchrun's 0-3 or per-rank
+                         LOCAL_RANK:N list, accepted; every stream of every rank is copied)
+  --redirects N, -r N    accepted for torchrun: with --log-dir output goes to files anyway
   --no-bind              do not bind each worker to its share of the allowed cores
   --stop-grace S         seconds between SIGTERM and SIGKILL when stopping workers [5]
   --rdzv-timeout S       seconds to wait for the other nodes (join, store connect) [900]
@@ -161,15 +174,44 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+// torchrun's std-stream selector: "0".."3", or "LOCAL_RANK:0-3" pairs joined by commas.
+bool is_std_streams_spec(const std::string& v) {
+  auto digit03 = [](char c) { return c >= '0' && c <= '3'; };
+  if (v.size() == 1) return digit03(v[0]);
+  if (v.empty()) return false;
+  size_t pos = 0;
+  while (pos <= v.size()) {
+    size_t comma = v.find(',', pos);
+    if (comma == std::string::npos) comma = v.size();
+    const std::string item = v.substr(pos, comma - pos);
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos || colon == 0 || colon + 2 != item.size() || !digit03(item.back())) return false;
+    for (size_t k = 0; k < colon; ++k) {
+      if (item[k] < '0' || item[k] > '9') return false;
+    }
+    pos = comma + 1;
+  }
+  return true;
+}
+
+// Visible CUDA devices (torchrun's "gpu"); 0 without CUDA.
+int64_t gpu_count() {
+#if TANDEM_WITH_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess) return n;
+#endif
+  return 0;
+}
+
 // Returns nullopt when --help was printed.
 std::optional<RunOptions> parse_args(int argc, char** argv) {
   RunOptions o;
-  bool port_given = false;
+  bool port_given = false, node_rank_given = false;
   // Flags that take a value, and those that do not (canonical dashed spellings).
   static const std::vector<std::string> kValued = {
       "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
       "--max-restarts", "--log-dir", "--stop-grace", "--rdzv-timeout", "--heartbeat-timeout", "--monitor-interval",
-      "--rdzv-backend", "--rdzv-id", "--role", "--local-addr", "--module"};
+      "--rdzv-backend", "--rdzv-id", "--role", "--local-addr", "--module", "--redirects"};
   static const std::vector<std::string> kSwitches = {"--standalone", "--no-bind", "--no-python", "--tee", "--help"};
   int i = 1;
   for (; i < argc; ++i) {
@@ -181,6 +223,8 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
     if (arg.size() < 2 || arg[0] != '-') break;  // PROGRAM
     if (arg == "-h") arg = "--help";
     if (arg == "-m") arg = "--module";
+    if (arg == "-t" || arg.rfind("-t=", 0) == 0) arg = "--tee" + arg.substr(2);
+    if (arg == "-r" || arg.rfind("-r=", 0) == 0) arg = "--redirects" + arg.substr(2);
     std::string name = arg, value;
     bool has_value = false;
     if (size_t eq = arg.find('='); eq != std::string::npos) {
@@ -202,6 +246,11 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
       throw UsageError(fmt::format("tandem run: unknown option \"{}\"{}; see `tandem run --help`", arg,
                                    best.empty() ? "" : fmt::format(" (did you mean {}?)", best)));
     }
+    // A switch takes no value (argparse's "ignored explicit argument"): --standalone=false must not
+    // turn standalone on. --tee's value is torchrun's std-stream selector.
+    if (is_switch && has_value && name != "--tee")
+      throw UsageError(fmt::format("tandem run: {} takes no value, got \"{}\"; write {} to turn it on, or leave it out",
+                                   name, arg, name));
     if (valued && !has_value) {
       if (i + 1 >= argc)
         throw UsageError(fmt::format("tandem run: {} needs a value, e.g. {} 2", name, name));
@@ -217,15 +266,32 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
     } else if (name == "--no-python") {
       // PROGRAM is executed directly in any case.
     } else if (name == "--tee") {
-      o.tee = true;  // torchrun's --tee takes 0-3; a lone digit after it is that value, not PROGRAM
-      if (!has_value && i + 1 < argc && std::strlen(argv[i + 1]) == 1 && argv[i + 1][0] >= '0' &&
-          argv[i + 1][0] <= '3')
+      // torchrun's --tee takes 0-3, or per local rank "0:3,1:1": such a value after it is that,
+      // not PROGRAM. With --log-dir every rank's output is copied to the console either way.
+      if (has_value) {
+        if (!is_std_streams_spec(value))
+          throw UsageError(fmt::format("tandem run: --tee expects 0-3 or LOCAL_RANK:0-3,..., got \"{}\"", value));
+      } else if (i + 1 < argc && is_std_streams_spec(argv[i + 1])) {
         ++i;
+      }
+      o.tee = true;
+    } else if (name == "--redirects") {
+      // torchrun's --redirects sends workers' streams to files in the log dir; here --log-dir does.
+      if (!is_std_streams_spec(value))
+        throw UsageError(fmt::format("tandem run: --redirects expects 0-3 or LOCAL_RANK:0-3,..., got \"{}\"", value));
     } else if (name == "--nproc-per-node") {
-      if (value == "auto" || value == "cpu")
+      if (value == "auto" || value == "cpu") {
         o.nproc_per_node = int64_t(allowed_cpus().size());
-      else
-        o.nproc_per_node = parse_int(name, value, 1, 4096, "a worker count >= 1 (or \"auto\")");
+      } else if (value == "gpu") {
+        o.nproc_per_node = gpu_count();
+        if (o.nproc_per_node < 1)
+          throw UsageError(
+              "tandem run: --nproc-per-node gpu: no CUDA device is visible (or this build has no CUDA); give a "
+              "worker count, or \"auto\" for one worker per allowed core");
+      } else {
+        o.nproc_per_node =
+            parse_int(name, value, 1, 4096, "a worker count >= 1 (or \"auto\"/\"cpu\" per core, \"gpu\" per GPU)");
+      }
     } else if (name == "--nnodes") {
       if (size_t colon = value.find(':'); colon != std::string::npos) {
         // torchrun's elastic MIN:MAX: only a fixed size is supported.
@@ -240,6 +306,7 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
       }
     } else if (name == "--node-rank") {
       o.node_rank = parse_int(name, value, 0, 1 << 20, "a node rank >= 0");
+      node_rank_given = true;
     } else if (name == "--master-addr") {
       if (value.empty()) throw UsageError("tandem run: --master-addr is empty; give node 0's host name or address");
       o.master_addr = unbracket(value);
@@ -301,6 +368,12 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
     o.master_addr = "127.0.0.1";
     o.master_port = 0;
   }
+  if (o.nnodes > 1 && !node_rank_given)
+    throw UsageError(fmt::format(
+        "tandem run: --nnodes {} needs --node-rank on every node (0 on the node whose store the others reach at "
+        "--master-addr/--rdzv-endpoint, then 1..{}): tandem run does not hand out node ranks as torchrun's c10d "
+        "rendezvous does",
+        o.nnodes, o.nnodes - 1));
   if (o.node_rank >= o.nnodes)
     throw UsageError(fmt::format("tandem run: --node-rank {} is out of range for --nnodes {}; use 0..{}", o.node_rank,
                                  o.nnodes, o.nnodes - 1));
@@ -319,10 +392,17 @@ std::optional<RunOptions> parse_args(int argc, char** argv) {
 
 // PROGRAM resolved like execvp: as given when it has a slash, else searched on PATH.
 std::string resolve_program(const std::string& program) {
+  auto is_dir = [](const std::string& p) {
+    struct stat st {};
+    return stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  };
   if (program.find('/') != std::string::npos) {
     if (access(program.c_str(), X_OK) != 0)
       throw UsageError(fmt::format("tandem run: PROGRAM \"{}\" is not an executable file: {}", program,
                                    std::strerror(errno)));
+    // (access() says X_OK for a searchable directory; every restart would fail the same execve.)
+    if (is_dir(program))
+      throw UsageError(fmt::format("tandem run: PROGRAM \"{}\" is a directory; give the program inside it", program));
     return program;
   }
   const char* path = std::getenv("PATH");
@@ -333,7 +413,7 @@ std::string resolve_program(const std::string& program) {
     if (end == std::string::npos) end = dirs.size();
     std::string dir = dirs.substr(pos, end - pos);
     std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + program;
-    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    if (access(candidate.c_str(), X_OK) == 0 && !is_dir(candidate)) return candidate;  // execvp skips directories
     pos = end + 1;
   }
   throw UsageError(fmt::format("tandem run: PROGRAM \"{}\" was not found on PATH; give its path, e.g. ./{}", program,
@@ -435,6 +515,42 @@ class Coordinator {
  public:
   // `store` is the launcher's owning pointer (the store may be replaced between attempts).
   Coordinator(std::unique_ptr<dist::TCPStore>& store, const RunOptions& o) : store_(store), o_(o) {}
+  ~Coordinator() {
+    {
+      std::lock_guard lock(beat_mu_);
+      beat_stop_ = true;
+    }
+    beat_cv_.notify_all();
+    if (beat_thread_.joinable()) beat_thread_.join();
+  }
+
+  // With several nodes: this node's heartbeat, from a thread of its own on a store connection of
+  // its own, every min(1 s, --heartbeat-timeout / 4) for as long as the launcher lives. (Sent from
+  // the monitor loop it paused for a --monitor-interval or while the workers were being stopped,
+  // and the other nodes took a healthy node for dead.) A lost store ends it; the others notice.
+  void start_heartbeats(const std::string& host, uint16_t port, const std::string& token) {
+    if (o_.nnodes == 1) return;
+    dist::TCPStoreOptions so;
+    so.is_master = false;
+    so.token = token;
+    so.timeout = std::max(heartbeat_timeout(), milliseconds(1000));
+    auto beat_store = std::make_shared<dist::TCPStore>(host, port, so);
+    const std::string beat_key = fmt::format("/tandem_run/heartbeat_{}", o_.node_rank);
+    const milliseconds period = std::min(milliseconds(1000), heartbeat_timeout() / 4);
+    beat_store->add(beat_key, 1);
+    beat_thread_ = std::thread([this, beat_store, beat_key, period] {
+      std::unique_lock lock(beat_mu_);
+      while (!beat_cv_.wait_for(lock, period, [&] { return beat_stop_; })) {
+        lock.unlock();
+        try {
+          beat_store->add(beat_key, 1);
+        } catch (const std::exception&) {
+          return;
+        }
+        lock.lock();
+      }
+    });
+  }
 
   static std::string key(int64_t attempt, const std::string& name) {
     return fmt::format("/tandem_run/attempt_{}/{}", attempt, name);
@@ -493,7 +609,6 @@ class Coordinator {
     auto now = Clock::now();
     if (now >= next_heartbeat_) {
       next_heartbeat_ = now + std::min(milliseconds(1000), heartbeat_timeout() / 4);
-      store_->add(fmt::format("/tandem_run/heartbeat_{}", o_.node_rank), 1);
       for (int64_t r = 0; r < o_.nnodes; ++r) {
         if (r == o_.node_rank) continue;
         int64_t beat = store_->add(fmt::format("/tandem_run/heartbeat_{}", r), 0);
@@ -571,9 +686,13 @@ class Coordinator {
 
   std::unique_ptr<dist::TCPStore>& store_;
   const RunOptions& o_;
-  Clock::time_point next_heartbeat_{};
+  Clock::time_point next_heartbeat_{};  // the next look at the other nodes' heartbeats
   std::vector<std::pair<int64_t, Clock::time_point>> last_seen_;
   bool fatal_ = false;
+  std::mutex beat_mu_;
+  std::condition_variable beat_cv_;
+  bool beat_stop_ = false;
+  std::thread beat_thread_;
 };
 
 // ---- reporting ----
@@ -610,6 +729,18 @@ std::string signal_name(int sig) {
 int run(const RunOptions& o) {
   SignalPipe signals;
   const std::string program_path = resolve_program(o.program.front());
+  if (!o.log_dir.empty()) {
+    // An earlier run's logs would be overwritten file by file and mixed with this run's (torchrun
+    // makes a new job directory each run): refused, naming them, before anything starts. (This
+    // node's first rank only: other nodes may share the directory.)
+    std::error_code ec;
+    const std::filesystem::path earlier =
+        std::filesystem::path(o.log_dir) / "attempt_0" / std::to_string(o.node_rank * o.nproc_per_node);
+    if (std::filesystem::exists(earlier, ec))
+      throw UsageError(fmt::format("tandem run: --log-dir {} already holds an earlier run's logs ({}); give a new "
+                                   "directory (e.g. {}/run2) or remove them first",
+                                   o.log_dir, earlier.string(), o.log_dir));
+  }
 
   // ---- the store: hosted on node 0, reached as a client elsewhere ----
   JobInfo job;
@@ -662,6 +793,7 @@ int run(const RunOptions& o) {
   }
   job.port = store->port();
   Coordinator coord(store, o);
+  coord.start_heartbeats(o.node_rank == 0 ? "127.0.0.1" : o.master_addr, uint16_t(job.port), job.token);
 
   GroupConfig group;
   group.program_path = program_path;
@@ -729,7 +861,10 @@ int run(const RunOptions& o) {
     if (attempt < o.max_restarts)
       say(fmt::format("restarting the worker group (restart {} of --max-restarts {})", attempt + 1, o.max_restarts));
   }
-  say(fmt::format("job failed: {}; no restarts left (--max-restarts {})", last_failure, o.max_restarts));
+  if (coord.fatal())
+    say(fmt::format("job failed: {}; not restarted (a node's launcher vanished or was interrupted)", last_failure));
+  else
+    say(fmt::format("job failed: {}; no restarts left (--max-restarts {})", last_failure, o.max_restarts));
   coord.finish();
   return 1;
 }

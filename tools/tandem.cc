@@ -1,5 +1,9 @@
 // The `tandem` command: dispatches argv[1] to a subcommand (tools/commands.h), one file each.
 // Invariant: subcommands report their own errors and return the exit code; only main() exits.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -52,6 +56,18 @@ bool matches(const Command& c, int argc, char** argv, int* used) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Closed standard descriptors (`tandem run ... >&- 2>&-`) get /dev/null: else the next files or
+  // pipes opened take fds 0-2, and output meant for the console lands in them (a launcher's
+  // signal pipe read a worker's stderr bytes as signals).
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (fcntl(fd, F_GETFD) == -1 && errno == EBADF) {
+      const int null_fd = open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+      if (null_fd >= 0 && null_fd != fd) {
+        dup2(null_fd, fd);
+        close(null_fd);
+      }
+    }
+  }
   if (argc < 2) {
     print_usage(stderr);
     return 2;

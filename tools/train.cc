@@ -144,6 +144,10 @@ int train_main(int argc, char** argv) try {
     // Before training, not after it: a directory the summary cannot be written into (it goes
     // through a temporary file there) is an error now.
     const std::filesystem::path p(summary_path);
+    std::error_code ec;
+    if (std::filesystem::is_directory(p, ec))
+      throw IOError(fmt::format("tandem train: --summary-json {} is a directory; give a file name (e.g. {}/summary.json)",
+                                summary_path, summary_path));
     const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
     if (access(dir.c_str(), W_OK) != 0) {
       throw IOError(fmt::format("tandem train: --summary-json {}: cannot write {}: {}", summary_path, dir,

@@ -199,6 +199,10 @@ pid_t spawn(const GroupConfig& config, const WorkerSpec& spec, int out_w, int er
   std::string exec_failed = fmt::format("tandem run: cannot execute {}: errno ", config.program_path);
   std::string bind_failed = fmt::format("tandem run: rank {}: sched_setaffinity failed: errno ", spec.rank);
 
+  // Descriptors the launcher inherited or opened (a caller's lock files, pipes) are closed in the
+  // child, as torchrun's Popen(close_fds=True): a worker holding a pipe's write end would keep its
+  // reader from ever seeing EOF. close_range needs Linux 5.9; older kernels get the loop.
+  const int max_fd = static_cast<int>(std::clamp<long>(sysconf(_SC_OPEN_MAX), 256, 1 << 20));
   const pid_t launcher = getpid();
   // Signals stay blocked across fork so that the child never runs the launcher's handler.
   sigset_t all, previous;
@@ -218,6 +222,9 @@ pid_t spawn(const GroupConfig& config, const WorkerSpec& spec, int out_w, int er
     dup2(devnull, 0);
     dup2(out_w, 1);
     dup2(err_w, 2);
+    if (close_range(3, ~0U, 0) != 0) {
+      for (int fd = 3; fd < max_fd; ++fd) close(fd);
+    }
     char msg[512];
     if (bind && sched_setaffinity(0, sizeof(cpus), &cpus) != 0) {
       child_message(msg, sizeof(msg), bind_failed.c_str(), errno);

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -284,6 +285,62 @@ TEST(Run, LogDirWritesEachRanksStreamsAndTeeCopiesThem) {
   EXPECT_CONTAINS(r.err, "[rank0]: oops");
 }
 
+// torchrun's forms of --tee/--redirects are taken as options, not as PROGRAM ("0:3" was run).
+TEST(Run, TorchrunTeeAndRedirectsFormsAreAccepted) {
+  ScratchDir dir;
+  ProcResult r = run_process(cmd({"--standalone", "--log-dir", dir.path(), "--tee", "0:3", "-r", "3"}, {"out:hello"}),
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "[rank0]: hello");
+  EXPECT_EQ(read_file(dir.path() + "/attempt_0/0/stdout.log"), "hello\n");
+  ScratchDir dir2;
+  r = run_process(cmd({"--standalone", "--log-dir", dir2.path(), "-t", "1"}, {"out:hi"}), launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "[rank0]: hi");
+}
+
+// A --log-dir holding an earlier run's logs is refused before anything starts: the new run
+// overwrote them file by file and left the earlier attempts' directories mixed in.
+TEST(Run, ALogDirWithAnEarlierRunsLogsIsRefused) {
+  ScratchDir dir;
+  ProcResult r = run_process(cmd({"--standalone", "--log-dir", dir.path()}, {"out:first"}), launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = run_process(cmd({"--standalone", "--log-dir", dir.path()}, {"out:second"}), launcher_env());
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_CONTAINS(r.err, "already holds an earlier run's logs");
+  EXPECT_EQ(read_file(dir.path() + "/attempt_0/0/stdout.log"), "first\n");
+}
+
+// Workers get only stdin, stdout and stderr: a descriptor the launcher inherited (here 7) was
+// passed on to every worker (torchrun's Popen closes them).
+TEST(Run, WorkersInheritOnlyTheStandardDescriptors) {
+  ProcResult r = run_process({"/bin/sh", "-c", "exec 7</dev/null; exec \"$0\" run --standalone /bin/sh -c 'ls /proc/$$/fd'",
+                              kTandem},
+                             launcher_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::set<std::string> fds;
+  std::istringstream in(r.out);
+  for (std::string l; std::getline(in, l);) {
+    if (l.rfind("[rank0]: ", 0) == 0) fds.insert(l.substr(9));
+  }
+  EXPECT_EQ(fds, (std::set<std::string>{"0", "1", "2"})) << r.out;
+}
+
+// A launcher started with stdout and stderr closed: its pipes took fds 1 and 2, and a worker's
+// stderr byte 0x0f read as SIGTERM stopped the job (exit 143). The worker's line now goes to
+// /dev/null and the job succeeds.
+TEST(Run, ClosedStandardDescriptorsDoNotTurnOutputIntoSignals) {
+  ScratchDir dir;
+  const std::string done = dir.path() + "/done";
+  ProcResult r = run_process({"/bin/sh", "-c",
+                              "exec \"$0\" run --standalone /bin/sh -c 'sleep 0.3; printf \"x\\017y\\n\" >&2; sleep 0.5; "
+                              "touch \"$1\"' sh \"$1\" >&- 2>&-",
+                              kTandem, done},
+                             launcher_env());
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_TRUE(std::filesystem::exists(done));
+}
+
 // ---- failures ----
 
 TEST(Run, AFailingRankStopsTheOthersQuicklyAndIsNamedWithItsStderrTail) {
@@ -470,7 +527,17 @@ INSTANTIATE_TEST_SUITE_P(
                       BadArgs{{"--stop-grace", "soon", "PROBE"}, "--stop-grace expects seconds"},
                       BadArgs{{"--nnodes", "2", "--node-rank", "2", "PROBE"}, "--node-rank 2 is out of range"},
                       BadArgs{{"--nnodes", "1:4", "PROBE"}, "elastic node ranges are not supported"},
-                      BadArgs{{"--nnodes", "2", "PROBE"}, "needs the same TANDEM_STORE_TOKEN"},
+                      BadArgs{{"--nnodes", "2", "--node-rank", "0", "PROBE"}, "needs the same TANDEM_STORE_TOKEN"},
+                      // torchrun's c10d assigns node ranks; here every node would have been node 0.
+                      BadArgs{{"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "PROBE"},
+                              "--nnodes 2 needs --node-rank on every node"},
+                      // A switch with a value was taken as on: --standalone=false turned standalone on.
+                      BadArgs{{"--standalone=false", "PROBE"}, "--standalone takes no value, got \"--standalone=false\""},
+                      BadArgs{{"--no-bind=no", "PROBE"}, "--no-bind takes no value"},
+                      BadArgs{{"--tee=9", "PROBE"}, "--tee expects 0-3 or LOCAL_RANK:0-3"},
+                      BadArgs{{"--redirects", "x", "PROBE"}, "--redirects expects 0-3"},
+                      // access(X_OK) passes a directory; every restart then failed the same execve.
+                      BadArgs{{"--standalone", "--max-restarts", "2", "/tmp"}, "PROGRAM \"/tmp\" is a directory"},
                       BadArgs{{"--standalone", "./no-such-program"}, "\"./no-such-program\" is not an executable"},
                       BadArgs{{"--standalone", "no-such-program-on-path"}, "was not found on PATH"},
                       BadArgs{{"--rdzv-backend", "etcd", "PROBE"}, "--rdzv-backend \"etcd\" is not supported"},
@@ -529,6 +596,25 @@ TEST(Run, AFailureOnOneNodeStopsBothAndIsNamedOnNodeZero) {
   EXPECT_CONTAINS(r1.err, "rank 1 (local rank 0 on node 1");
   EXPECT_CONTAINS(r0.err, "rank 1 (local rank 0 on node 1");
   EXPECT_CONTAINS(r0.err, "exit code 7");
+}
+
+// Heartbeats come from their own thread: a --monitor-interval longer than --heartbeat-timeout
+// made node 0 take the healthy node 1 (whose worker was still running) for dead.
+TEST(Run, ASlowMonitorIntervalDoesNotMakeAHealthyNodeLookDead) {
+  const std::string port = std::to_string(free_port());
+  auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
+  auto node = [&](int r) {
+    return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
+                "--rdzv-timeout", "15", "--monitor-interval", "2", "--heartbeat-timeout", "0.8"},
+               {"r1/sleep:4000", "out:done"});
+  };
+  Subprocess n0(node(0), env);
+  Subprocess n1(node(1), env);
+  ProcResult r0 = n0.wait(25), r1 = n1.wait(25);
+  EXPECT_EQ(r0.exit_code, 0) << r0.err;
+  EXPECT_EQ(r1.exit_code, 0) << r1.err;
+  EXPECT_NOT_CONTAINS(r0.err, "stopped answering");
+  EXPECT_CONTAINS(r1.out, "[rank1]: done");
 }
 
 TEST(Run, ANodeThatNeverJoinsIsNamedAfterTheRendezvousTimeout) {
