@@ -14,8 +14,11 @@ int main(int argc, char** argv) try {
                               "[--seed S] [--data-dir DIR] [--summary-json PATH] " +
                                   std::string(examples::kPrecisionUsage));
   const int64_t epochs = flags.integer("epochs", 1), batch_size = flags.integer("batch-size", 1);
-  const int threads = static_cast<int>(flags.integer("threads", 1));
+  const int threads = static_cast<int>(flags.integer("threads", 1, examples::kMaxThreads));
   const uint64_t seed = static_cast<uint64_t>(flags.integer("seed"));
+  const double lr = flags.finite("lr", 0.0), momentum = flags.finite("momentum", 0.0);
+  const std::string summary_path = flags.str("summary-json");
+  examples::check_summary_path(summary_path);  // before the epoch, not after it
   td::set_num_threads(threads);
   td::manual_seed(seed);
 
@@ -29,13 +32,13 @@ int main(int argc, char** argv) try {
               td::cpu_features().summary().c_str());
 
   auto model = td::nn::models::mlp();
-  td::optim::SGD opt(model->parameters(), {.lr = flags.num("lr"), .momentum = flags.num("momentum")});
+  td::optim::SGD opt(model->parameters(), {.lr = lr, .momentum = momentum});
   examples::Precision precision(flags, *model, opt);
   td::reset_peak_allocated_bytes();
 
   const examples::ClassifierResult r =
       examples::train_classifier(*model, opt, precision, x_train, train.labels, x_test, test.labels, epochs, batch_size, seed);
-  examples::report_classifier(r, flags.str("summary-json"), epochs, batch_size, threads, precision);
+  examples::report_classifier(r, summary_path, epochs, batch_size, threads, precision);
   return 0;
 } catch (const std::exception& e) {
   return tandem::report(e);

@@ -31,6 +31,7 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 # lets the tests that fork a child from a threaded process (killed-during-save) run.
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:die_after_fork=0:suppressions=$PWD/scripts/tsan.supp}
 if [ $# -eq 0 ]; then
-  set -- -R '^((DDP|DDPSemantics|DDPJoin|DDPPowerSGD|PostLocalSGD|PostLocalSGDOptimizer|PeriodicModelAverager|HierarchicalModelAverager|SyncBatchNorm|Shm[A-Za-z]*|Work|InitProcessGroup|PrefixStore|TCPStore|Spawn|DataLoader)\.|Checkpoint\.Gathered)'
+  # (Parameterised suites are named Prefix/Suite.Test: the optional prefix lets them match too.)
+  set -- -R '^([A-Za-z]+/)?((DDP|DDPSemantics|DDPJoin|DDPPowerSGD|DDPFusedOptimizer|PostLocalSGD|PostLocalSGDOptimizer|PeriodicModelAverager|HierarchicalModelAverager|SyncBatchNorm|Shm[A-Za-z]*|Work|InitProcessGroup|PrefixStore|StoreContract|FileStore|TCPStore|Spawn|DataLoader)\.|Checkpoint\.Gathered)'
 fi
 ctest --test-dir "$dir" --output-on-failure "$@"

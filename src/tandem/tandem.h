@@ -52,5 +52,6 @@
 #include "tandem/optim/sgd.h"
 #include "tandem/optim/swa_utils.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/local_sgd.h"
 #include "tandem/parallel/powersgd.h"
 #include "tandem/parallel/sync_batch_norm.h"

@@ -211,7 +211,13 @@ TEST(Adam, HandComputedTwoSteps) {
     adamw.step();
     EXPECT_NEAR(q.item(), 0.9177103542205653, t);
   }
-  EXPECT_EQ(optim::AdamW::defaults().weight_decay, 1e-2);
+  EXPECT_EQ(optim::AdamW::defaults().weight_decay.value(), 1e-2);
+  // Options without weight_decay take each optimizer's PyTorch default: torch.optim.AdamW(p, lr=x)
+  // decays by 1e-2 (AdamW(p, {.lr = x}) silently decayed by 0 before), Adam by 0.
+  Tensor r = param({1.0}, td::kFloat32);
+  EXPECT_EQ(optim::AdamW({r}, {.lr = 0.1}).param_groups()[0].options.at("weight_decay"), 1e-2);
+  EXPECT_EQ(optim::Adam({r}, {.lr = 0.1}).param_groups()[0].options.at("weight_decay"), 0.0);
+  EXPECT_EQ(optim::AdamW({r}, {.lr = 0.1, .weight_decay = 0.0}).param_groups()[0].options.at("weight_decay"), 0.0);
 }
 
 // One Adam/AdamW configuration of the closed-form tests: the optimizer over `p` and its reference.
@@ -227,7 +233,8 @@ std::unique_ptr<optim::Optimizer> make_adam(const Tensor& p, const AdamCase& c) 
 }
 
 AdamRef adam_ref(const AdamCase& c) {
-  return AdamRef{c.o.lr, c.o.beta1, c.o.beta2, c.o.eps, c.o.weight_decay, c.decoupled, c.o.amsgrad, c.o.maximize};
+  return AdamRef{c.o.lr,      c.o.beta1,   c.o.beta2,  c.o.eps, c.o.weight_decay.value_or(c.decoupled ? 1e-2 : 0.0),
+                 c.decoupled, c.o.amsgrad, c.o.maximize};
 }
 
 TEST(Adam, MatchesClosedFormOnVectors) {

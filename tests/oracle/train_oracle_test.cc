@@ -34,7 +34,9 @@ struct RunSpec {
                        sgd.lr, sgd.momentum, sgd.dampening, sgd.weight_decay, sgd.nesterov, sgd.maximize);
     } else {
       s += fmt::format(",lr={:.17g},beta1={:.17g},beta2={:.17g},eps={:.17g},weight_decay={:.17g},amsgrad={:d},maximize={:d}",
-                       adam.lr, adam.beta1, adam.beta2, adam.eps, adam.weight_decay, adam.amsgrad, adam.maximize);
+                       adam.lr, adam.beta1, adam.beta2, adam.eps,
+                       adam.weight_decay.value_or(optimizer == "adamw" ? 1e-2 : 0.0),  // each class's default
+                       adam.amsgrad, adam.maximize);
     }
     return s;
   }

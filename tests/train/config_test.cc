@@ -159,6 +159,10 @@ TEST(Config, UnknownKeyNamesTheNearestValidKey) {
   j = base();
   j["keep_last"] = 2;
   EXPECT_EQ(error_of([&] { parse_config(j); }), "config: unknown key \"keep_last\" (did you mean \"train.keep_last\"?)");
+  // An exact name elsewhere beats a sibling two edits away ("lr" is not "log").
+  j = base();
+  j["lr"] = 0.1;
+  EXPECT_EQ(error_of([&] { parse_config(j); }), "config: unknown key \"lr\" (did you mean \"optimizer.params.lr\"?)");
 }
 
 TEST(Config, WrongTypeOrRangeNamesKeyValueAndExpectation) {
@@ -598,6 +602,12 @@ TEST(Config, DeepSpeedSchedules) {
   s.warmup_type = "linear";
   EXPECT_DOUBLE_EQ(s.lr_at(55, 1.0, 100), 0.05);  // halfway from step 10 to 100
   EXPECT_DOUBLE_EQ(s.lr_at(100, 1.0, 100), 0.0);
+  // DeepSpeed's WarmupDecayLR decays to warmup_min_lr, not to 0: min + (max - min) * gamma.
+  s.warmup_min_lr = 0.01;
+  EXPECT_DOUBLE_EQ(s.lr_at(55, 1.0, 100), 0.055);
+  EXPECT_DOUBLE_EQ(s.lr_at(100, 1.0, 100), 0.01);
+  EXPECT_DOUBLE_EQ(s.lr_at(150, 1.0, 100), 0.01);
+  s.warmup_min_lr = 0.0;
   s.type = "WarmupCosineLR";
   s.warmup_min_ratio = 0.0;
   s.cos_min_ratio = 0.1;
@@ -606,6 +616,44 @@ TEST(Config, DeepSpeedSchedules) {
   EXPECT_NEAR(s.lr_at(110, 2.0, 110), 0.2, 1e-12);
   SchedulerConfig none;
   EXPECT_DOUBLE_EQ(none.lr_at(7, 0.3, 10), 0.3);
+}
+
+// Keys the chosen schedule, optimizer or dataset does not take were accepted and ignored; DeepSpeed
+// passes scheduler params as keyword arguments (TypeError), torch's SGD takes no eps.
+TEST(Config, KeysTheChosenPartDoesNotTakeAreErrors) {
+  json j = base();
+  j["scheduler"] = {{"type", "WarmupCosineLR"}, {"params", {{"warmup_max_lr", 5}}}};
+  std::string m = error_of([&] { parse_config(j); });
+  EXPECT_NE(m.find("\"scheduler.params.warmup_max_lr\" is not a parameter of WarmupCosineLR"), std::string::npos) << m;
+  j["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"total_num_steps", 100}}}};
+  m = error_of([&] { parse_config(j); });
+  EXPECT_NE(m.find("is not a parameter of WarmupLR"), std::string::npos) << m;
+  j["scheduler"] = {{"type", "WarmupDecayLR"}, {"params", {{"total_num_steps", 100}, {"warmup_min_lr", 0.01}}}};
+  EXPECT_EQ(error_of([&] { parse_config(j); }), "");
+  j = base();
+  j["optimizer"] = {{"type", "SGD"}, {"params", {{"lr", 0.1}, {"eps", 1e-8}}}};
+  m = error_of([&] { parse_config(j); });
+  EXPECT_NE(m.find("apply to Adam/AdamW only"), std::string::npos) << m;
+  j = base();
+  j["data"]["samples_per_epoch"] = 1000;
+  m = error_of([&] { parse_config(j); });
+  EXPECT_NE(m.find("\"data.samples_per_epoch\" applies to text and tokens data"), std::string::npos) << m;
+}
+
+// micro * accumulation * world wrapped in int64: (2^32 + 1)^2 = 2^33 + 1 (mod 2^64) passed the
+// consistency check, and 2^32 * 2^32 gave "batch 0".
+TEST(Config, BatchProductsThatOverflowAreErrors) {
+  json j = base();
+  j["train_batch_size"] = 8589934593.0;
+  j["train_micro_batch_size_per_gpu"] = 4294967297.0;
+  j["gradient_accumulation_steps"] = 4294967297.0;
+  std::string m = error_of([&] { parse_config(j); });
+  EXPECT_NE(m.find("batch sizes too large"), std::string::npos) << m;
+  j.erase("train_batch_size");
+  j["train_micro_batch_size_per_gpu"] = 4294967296.0;
+  j["gradient_accumulation_steps"] = 4294967296.0;
+  m = error_of([&] { parse_config(j); });
+  EXPECT_NE(m.find("overflows"), std::string::npos) << m;
 }
 
 TEST(Config, EditDistance) {

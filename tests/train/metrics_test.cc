@@ -134,6 +134,35 @@ TEST(Metrics, JsonlAppendsOneObjectPerLine) {
   EXPECT_EQ(rows[1]["loss"], 1.25);
 }
 
+// keep_through_step (TensorBoard's purge_step): later records are dropped before appending.
+TEST(Metrics, JsonlDropsRecordsAfterTheStepARunContinuesFrom) {
+  tandem::testing::TempDir dir;
+  const std::string path = dir.path() + "/metrics.jsonl";
+  {
+    JsonlWriter w(path);
+    for (int s = 1; s <= 5; ++s) w.write({{"step", s}, {"loss", 1.0 * s}});
+    w.write({{"note", "no step"}});
+  }
+  {
+    JsonlWriter w(path, 3);
+    w.write({{"step", 4}, {"loss", 0.5}});
+  }
+  std::ifstream f(path);
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(f, line);) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 5u);
+  EXPECT_EQ(rows[2]["step"], 3);
+  EXPECT_EQ(rows[3]["note"], "no step");
+  EXPECT_EQ(rows[4]["loss"], 0.5);
+}
+
+// Two writers in one process within a second: distinct files (the second truncated the first).
+TEST(Metrics, TwoEventFilesOfOneProcessDoNotOverwriteEachOther) {
+  tandem::testing::TempDir dir;
+  TensorBoardWriter a(dir.path()), b(dir.path());
+  EXPECT_NE(a.path(), b.path());
+}
+
 TEST(Metrics, ProgressLinesAndBar) {
   tandem::testing::TempDir dir;
   const std::string path = dir.path() + "/out.txt";

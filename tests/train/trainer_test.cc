@@ -205,6 +205,62 @@ TEST(Trainer, WritesJsonlTensorBoardAndSummary) {
   EXPECT_DOUBLE_EQ(json::parse(line)["lr"].get<double>(), 0.003 / 3);
 }
 
+// Micro-batches carry across epochs, so E epochs are E * M / gas steps: with M = 10 micro-batches
+// per epoch and gas 4, 10 epochs are 25 steps (per-epoch floor(10 / 4) = 2 steps gave 20: 8 epochs).
+TEST(Trainer, EpochsWithAccumulationTrainEveryEpochAsked) {
+  tandem::testing::TempDir dir;
+  json j = gpt_config();
+  j["train_batch_size"] = 8;
+  j["train_micro_batch_size_per_gpu"] = 2;
+  j["train"] = {{"epochs", 10}, {"keep_last", 1}};
+  j["scheduler"]["params"]["warmup_num_steps"] = 2;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  const TrainSummary s = run_training(make(j), {.out_dir = dir.path(), .out = devnull});
+  std::fclose(devnull);
+  EXPECT_EQ(s.steps, 25);
+  EXPECT_EQ(s.epochs, 10);
+}
+
+// The log after a resume: records past the checkpoint's step (the steps the resumed run redoes)
+// are dropped first, so each step is logged once; a fresh run starts an empty log.
+TEST(Trainer, AResumedRunLogsEachStepOnceAndAFreshRunStartsItsOwnLog) {
+  tandem::testing::TempDir dir;
+  json j = gpt_config();
+  j["train"]["steps"] = 6;
+  j["train"]["checkpoint_every"] = 2;
+  std::FILE* devnull = std::fopen("/dev/null", "w");
+  run_training(make(j), {.out_dir = dir.path(), .out = devnull, .stop_after = 4});
+  // As if steps 5 and 6 had been logged before a crash that left the checkpoint of step 4 last.
+  {
+    std::ofstream log(dir.path() + "/metrics.jsonl", std::ios::app);
+    log << R"({"step": 5, "loss": 9.0})" << "\n" << R"({"step": 6, "loss": 9.0})" << "\n";
+  }
+  run_training(make(j), {.out_dir = dir.path(), .resume = "auto", .out = devnull});
+  std::vector<int64_t> steps;
+  std::ifstream log(dir.path() + "/metrics.jsonl");
+  for (std::string line; std::getline(log, line);) {
+    const json r = json::parse(line);
+    if (r.contains("loss")) {
+      steps.push_back(r["step"].get<int64_t>());
+      EXPECT_NE(r["loss"], 9.0);
+    }
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  // A fresh run (its predecessor left a log but no checkpoint) does not append to that log.
+  tandem::testing::TempDir fresh;
+  {
+    std::ofstream log(fresh.path() + "/metrics.jsonl");
+    log << R"({"step": 999, "loss": 1.0})" << "\n";
+  }
+  j["train"]["steps"] = 2;
+  run_training(make(j), {.out_dir = fresh.path(), .out = devnull});
+  std::fclose(devnull);
+  std::ifstream log2(fresh.path() + "/metrics.jsonl");
+  std::string first;
+  std::getline(log2, first);
+  EXPECT_EQ(json::parse(first)["step"], 1);
+}
+
 TEST(Trainer, ResumeIntoAnotherModelIsRefused) {
   tandem::testing::TempDir dir;
   std::FILE* devnull = std::fopen("/dev/null", "w");

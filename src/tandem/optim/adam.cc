@@ -9,17 +9,18 @@
 namespace tandem::optim {
 namespace {
 
-Options to_options(const AdamOptions& o, const char* name) {
+Options to_options(const AdamOptions& o, const char* name, bool decoupled) {
+  const double weight_decay = o.weight_decay.value_or(decoupled ? 1e-2 : 0.0);
   TANDEM_CHECK(o.lr >= 0, ValueError, "{}: invalid learning rate {}", name, o.lr);
   TANDEM_CHECK(o.eps >= 0, ValueError, "{}: invalid eps {}", name, o.eps);
   TANDEM_CHECK(o.beta1 >= 0 && o.beta1 < 1, ValueError, "{}: invalid beta1 {} (expected [0, 1))", name, o.beta1);
   TANDEM_CHECK(o.beta2 >= 0 && o.beta2 < 1, ValueError, "{}: invalid beta2 {} (expected [0, 1))", name, o.beta2);
-  TANDEM_CHECK(o.weight_decay >= 0, ValueError, "{}: invalid weight_decay {}", name, o.weight_decay);
+  TANDEM_CHECK(weight_decay >= 0, ValueError, "{}: invalid weight_decay {}", name, weight_decay);
   return {{"lr", o.lr},
           {"beta1", o.beta1},
           {"beta2", o.beta2},
           {"eps", o.eps},
-          {"weight_decay", o.weight_decay},
+          {"weight_decay", weight_decay},
           {"amsgrad", o.amsgrad ? 1.0 : 0.0},
           {"maximize", o.maximize ? 1.0 : 0.0}};
 }
@@ -30,7 +31,7 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::vector<ParamGroup>{{std::move(params), {}}}, options, "Adam", false) {}
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options) : Adam(std::move(groups), options, "Adam", false) {}
 Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options, std::string name, bool decoupled)
-    : Optimizer(std::move(groups), to_options(options, name.c_str()), name), decoupled_(decoupled), fused_(options.fused) {}
+    : Optimizer(std::move(groups), to_options(options, name.c_str(), decoupled), name), decoupled_(decoupled), fused_(options.fused) {}
 
 std::map<std::string, StateKind> Adam::state_keys() const {
   return {{"step", StateKind::kStep},

@@ -2,6 +2,8 @@
 // optional amsgrad). Adam adds weight decay to the gradient; AdamW decays the weights.
 #pragma once
 
+#include <optional>
+
 #include "tandem/optim/optimizer.h"
 
 namespace tandem::optim {
@@ -11,7 +13,9 @@ struct AdamOptions {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0.0;  // AdamW's default is 1e-2 (see AdamW)
+  // Unset: each optimizer's PyTorch default, 0 for Adam and 1e-2 for AdamW (so AdamW(p, {.lr = x})
+  // decays as torch.optim.AdamW(p, lr=x) does).
+  std::optional<double> weight_decay;
   bool amsgrad = false;
   bool maximize = false;
   // Update every f32 parameter in one fused multi-tensor pass (same results as per-tensor).

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <numbers>
 #include <set>
 #include <sstream>
@@ -162,6 +163,14 @@ std::string suggestion(const std::string& parent, const std::string& key) {
   for (const std::string& c : children_of(parent)) {
     const int64_t d = edit_distance(key, c);
     if (d < best_d) best_d = d, best = join_path(parent, c);
+  }
+  // An exact sibling, else a key elsewhere that is exactly this name ("lr" is
+  // "optimizer.params.lr", not the sibling "log" two edits away), else a close sibling.
+  if (best_d == 0) return best;
+  for (const Spec& s : specs()) {
+    const std::string path = s.path;
+    const size_t dot = path.rfind('.');
+    if (path.substr(dot == std::string::npos ? 0 : dot + 1) == key) return path;
   }
   if (close(best_d)) return best;
   std::string any;
@@ -320,6 +329,17 @@ void get_int(const json& j, const std::string& path, int64_t& out) {
   if (const json* v = at(j, path)) out = static_cast<int64_t>(v->get<double>());
 }
 
+// a * b, or a ValueError naming the batch keys when it overflows int64 (values up to 2^53 pass
+// validation; their product wrapped, and an inconsistent batch passed the check).
+int64_t batch_product(int64_t a, int64_t b) {
+  int64_t r = 0;
+  TANDEM_CHECK(!__builtin_mul_overflow(a, b, &r), ValueError,
+               "config: batch sizes too large: {} * {} overflows (train_micro_batch_size_per_gpu * "
+               "gradient_accumulation_steps * world size must stay below 2^63)",
+               a, b);
+  return r;
+}
+
 // DeepSpeed's rule: train_batch_size = micro * accumulation * world_size; any two determine the
 // third, one alone takes accumulation 1.
 void resolve_batch(Config& c, const json& j) {
@@ -330,21 +350,21 @@ void resolve_batch(Config& c, const json& j) {
   const auto num = [](const json* v) { return static_cast<int64_t>(v->get<double>()); };
   if (tbs && mb && gas) {
     c.train_batch_size = num(tbs), c.train_micro_batch_size_per_gpu = num(mb), c.gradient_accumulation_steps = num(gas);
-    TANDEM_CHECK(c.train_batch_size == c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w, ValueError,
+    const int64_t product = batch_product(batch_product(c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps), w);
+    TANDEM_CHECK(c.train_batch_size == product, ValueError,
                  "config: inconsistent batch sizes: train_batch_size {} != train_micro_batch_size_per_gpu {} * "
                  "gradient_accumulation_steps {} * world size {} = {}; drop one of the three keys to have it derived",
-                 c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, w,
-                 c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w);
+                 c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, w, product);
   } else if (tbs && mb) {
     c.train_batch_size = num(tbs), c.train_micro_batch_size_per_gpu = num(mb);
-    TANDEM_CHECK(c.train_batch_size % (c.train_micro_batch_size_per_gpu * w) == 0, ValueError,
+    TANDEM_CHECK(c.train_batch_size % batch_product(c.train_micro_batch_size_per_gpu, w) == 0, ValueError,
                  "config: inconsistent batch sizes: train_batch_size {} is not a multiple of "
                  "train_micro_batch_size_per_gpu {} * world size {} = {}",
                  c.train_batch_size, c.train_micro_batch_size_per_gpu, w, c.train_micro_batch_size_per_gpu * w);
     c.gradient_accumulation_steps = c.train_batch_size / (c.train_micro_batch_size_per_gpu * w);
   } else if (tbs && gas) {
     c.train_batch_size = num(tbs), c.gradient_accumulation_steps = num(gas);
-    TANDEM_CHECK(c.train_batch_size % (c.gradient_accumulation_steps * w) == 0, ValueError,
+    TANDEM_CHECK(c.train_batch_size % batch_product(c.gradient_accumulation_steps, w) == 0, ValueError,
                  "config: inconsistent batch sizes: train_batch_size {} is not a multiple of "
                  "gradient_accumulation_steps {} * world size {} = {}",
                  c.train_batch_size, c.gradient_accumulation_steps, w, c.gradient_accumulation_steps * w);
@@ -352,7 +372,7 @@ void resolve_batch(Config& c, const json& j) {
   } else if (mb) {
     c.train_micro_batch_size_per_gpu = num(mb);
     c.gradient_accumulation_steps = gas ? num(gas) : 1;
-    c.train_batch_size = c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w;
+    c.train_batch_size = batch_product(batch_product(c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps), w);
   } else if (tbs) {
     c.train_batch_size = num(tbs);
     c.gradient_accumulation_steps = 1;
@@ -407,8 +427,9 @@ double SchedulerConfig::lr_at(int64_t step, double base, int64_t total) const {
   const double max_lr = warmup_max_lr >= 0 ? warmup_max_lr : base;
   if (step < warmup_num_steps) return warmup_min_lr + (max_lr - warmup_min_lr) * gamma();
   if (type == "WarmupDecayLR") {
+    // DeepSpeed's: from warmup_max_lr down to warmup_min_lr (not to 0) at total_num_steps.
     const double span = std::max<double>(1.0, static_cast<double>(total_steps) - warm);
-    return max_lr * std::max(0.0, (static_cast<double>(total_steps) - s) / span);
+    return warmup_min_lr + (max_lr - warmup_min_lr) * std::max(0.0, (static_cast<double>(total_steps) - s) / span);
   }
   return max_lr;
 }
@@ -650,8 +671,9 @@ Config parse_config(const nlohmann::json& j, int world_size) {
   TANDEM_CHECK(o.type == "SGD" || (!at(j, "optimizer.params.momentum") && !at(j, "optimizer.params.nesterov")),
                ValueError, "config: \"optimizer.params.momentum\"/\"nesterov\" apply to SGD only, optimizer.type is \"{}\"",
                o.type);
-  TANDEM_CHECK(o.type != "SGD" || !at(j, "optimizer.params.betas"), ValueError,
-               "config: \"optimizer.params.betas\" applies to Adam/AdamW only, optimizer.type is \"SGD\"");
+  TANDEM_CHECK(o.type != "SGD" || (!at(j, "optimizer.params.betas") && !at(j, "optimizer.params.eps")), ValueError,
+               "config: \"optimizer.params.betas\"/\"eps\" apply to Adam/AdamW only, optimizer.type is \"SGD\" (torch's SGD "
+               "takes neither)");
 
   SchedulerConfig& s = c.scheduler;
   get(j, "scheduler.type", s.type);
@@ -664,6 +686,25 @@ Config parse_config(const nlohmann::json& j, int world_size) {
   get_int(j, "scheduler.params.total_num_steps", s.total_num_steps);
   get(j, "scheduler.params.warmup_min_ratio", s.warmup_min_ratio);
   get(j, "scheduler.params.cos_min_ratio", s.cos_min_ratio);
+  if (!s.type.empty()) {
+    // DeepSpeed builds the schedule as Type(optimizer, **params): a parameter of another schedule
+    // is a TypeError there, and was silently ignored here.
+    static const std::map<std::string, std::vector<std::string>> kParams = {
+        {"WarmupLR", {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}},
+        {"WarmupDecayLR", {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"}},
+        {"WarmupCosineLR",
+         {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"}}};
+    const std::vector<std::string>& allowed = kParams.at(s.type);
+    if (const json* params = at(j, "scheduler.params")) {
+      for (const auto& [key, value] : params->items()) {
+        if (value.is_null()) continue;  // (null: unset, as everywhere in the config)
+        TANDEM_CHECK(std::find(allowed.begin(), allowed.end(), key) != allowed.end(), ValueError,
+                     "config: \"scheduler.params.{}\" is not a parameter of {} (it takes {}); drop it or change "
+                     "\"scheduler.type\"",
+                     key, s.type, fmt::format("{}", fmt::join(allowed, ", ")));
+      }
+    }
+  }
 
   Fp16Config& f = c.fp16;
   get(j, "fp16.enabled", f.enabled);
@@ -709,6 +750,10 @@ Config parse_config(const nlohmann::json& j, int world_size) {
                "fashion_mnist or cifar10)",
                m.name, d.name);
   TANDEM_CHECK(d.name != "tokens" || !d.path.empty(), ValueError, "config: data \"tokens\" needs \"data.path\" (a uint16 token file)");
+  TANDEM_CHECK(text_data || d.samples_per_epoch == 0, ValueError,
+               "config: \"data.samples_per_epoch\" applies to text and tokens data (windows drawn per epoch); {} trains on "
+               "all its images every epoch: drop it, or give train.steps for a shorter run",
+               d.name);
 
   TrainLoopConfig& t = c.train;
   get_int(j, "train.steps", t.steps);

@@ -77,7 +77,7 @@ struct DataConfig {
 };
 
 struct TrainLoopConfig {
-  int64_t steps = 0;   // optimizer steps; 0 = epochs * steps per epoch
+  int64_t steps = 0;   // optimizer steps; 0 = epochs * micro-batches per epoch / accumulation steps
   int64_t epochs = 1;
   int64_t eval_every = 0;        // 0: only at the end
   int64_t checkpoint_every = 0;  // 0: only at the end

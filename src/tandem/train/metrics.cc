@@ -4,9 +4,11 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "tandem/core/error.h"
 
@@ -68,10 +70,31 @@ uint32_t masked_crc32c(const void* data, size_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
+JsonlWriter::JsonlWriter(const std::string& path, std::optional<int64_t> keep_through_step) : path_(path) {
   std::error_code ec;
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (keep_through_step && std::filesystem::exists(path, ec)) {
+    std::ifstream in(path);
+    TANDEM_CHECK(in.good(), IOError, "metrics: cannot read {}: {}", path, std::strerror(errno));
+    std::string kept, line;
+    while (std::getline(in, line)) {
+      const nlohmann::json rec = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      const bool later = rec.is_object() && rec.contains("step") && rec["step"].is_number_integer() &&
+                         rec["step"].get<int64_t>() > *keep_through_step;
+      if (!later) kept += line + "\n";
+    }
+    // Rewritten beside it and renamed over it: a crash leaves the old log or the new one.
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << kept;
+      out.flush();
+      TANDEM_CHECK(out.good(), IOError, "metrics: cannot write {}: {}", tmp, std::strerror(errno));
+    }
+    std::filesystem::rename(tmp, path, ec);
+    TANDEM_CHECK(!ec, IOError, "metrics: cannot replace {}: {}", path, ec.message());
+  }
   f_ = std::fopen(path.c_str(), "a");
   TANDEM_CHECK(f_ != nullptr, IOError, "metrics: cannot open {} for appending: {}", path, std::strerror(errno));
 }
@@ -118,7 +141,11 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   TANDEM_CHECK(!ec, IOError, "metrics: cannot create {}: {}", dir, ec.message());
   char host[256] = "localhost";
   ::gethostname(host, sizeof host - 1);
-  path_ = fmt::format("{}/events.out.tfevents.{}.{}.{}", dir, static_cast<int64_t>(now_seconds()), host, ::getpid());
+  // PyTorch's EventFileWriter names add a per-process counter: two writers of one process within
+  // a second (a run stopped and resumed in-process) got the same name and the second truncated it.
+  static std::atomic<int64_t> next_uid{0};
+  path_ = fmt::format("{}/events.out.tfevents.{}.{}.{}.{}", dir, static_cast<int64_t>(now_seconds()), host, ::getpid(),
+                      next_uid.fetch_add(1));
   f_ = std::fopen(path_.c_str(), "wb");
   TANDEM_CHECK(f_ != nullptr, IOError, "metrics: cannot create {}: {}", path_, std::strerror(errno));
   // Event { double wall_time = 1; string file_version = 3; }

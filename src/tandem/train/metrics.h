@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,8 +23,11 @@ uint32_t masked_crc32c(const void* data, size_t n);
 // Appends one JSON object per line to a file; each line is flushed when written. Not thread-safe.
 class JsonlWriter {
  public:
-  // Opens `path` for appending (a resumed run continues its log). Throws IOError naming the path.
-  explicit JsonlWriter(const std::string& path);
+  // Opens `path` for appending (a resumed run continues its log). With `keep_through_step`, first
+  // drops the records whose "step" is above it (TensorBoard's purge_step: a run resumed from the
+  // checkpoint of step S redoes the steps after S, and they were logged twice; a fresh run passes
+  // -1 and starts an empty log). Throws IOError naming the path.
+  explicit JsonlWriter(const std::string& path, std::optional<int64_t> keep_through_step = std::nullopt);
   ~JsonlWriter();
   JsonlWriter(const JsonlWriter&) = delete;
   JsonlWriter& operator=(const JsonlWriter&) = delete;
@@ -35,7 +39,8 @@ class JsonlWriter {
   std::FILE* f_ = nullptr;
 };
 
-// A TensorBoard event file "events.out.tfevents.<unix seconds>.<host>.<pid>" in `dir`. The file is
+// A TensorBoard event file "events.out.tfevents.<unix seconds>.<host>.<pid>.<n>" in `dir` (n counts
+// this process's writers, as PyTorch's). The file is
 // a sequence of TFRecords (u64 length, masked CRC32C of the length, the bytes, masked CRC32C of
 // the bytes), each holding a serialized tensorflow.Event: the first has file_version
 // "brain.Event:2", then one Event {wall_time, step, summary {value {tag, simple_value}}} per

@@ -453,6 +453,8 @@ std::vector<std::pair<std::string, std::string>> resume_invariants(const Config&
           {"scheduler.params.warmup_max_lr", n(s.warmup_max_lr)},
           {"scheduler.params.warmup_num_steps", std::to_string(s.warmup_num_steps)},
           {"scheduler.params.warmup_type", q(s.warmup_type)},
+          // (As given: 0, "the run's length", may stay 0 while train.steps changes.)
+          {"scheduler.params.total_num_steps", std::to_string(s.total_num_steps)},
           {"scheduler.params.warmup_min_ratio", n(s.warmup_min_ratio)},
           {"scheduler.params.cos_min_ratio", n(s.cos_min_ratio)},
           {"fp16.enabled", b(f.enabled)},
@@ -611,8 +613,14 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   TANDEM_CHECK(loader.size() >= 1, ValueError,
                "train: the dataset has {} examples, fewer than one micro-batch of {} per rank on {} ranks", data.train->size(),
                cfg.train_micro_batch_size_per_gpu, world);
-  const int64_t steps_per_epoch = std::max<int64_t>(1, loader.size() / gas);
-  const int64_t total_steps = cfg.train.steps > 0 ? cfg.train.steps : cfg.train.epochs * steps_per_epoch;
+  // Micro-batches run on across epoch boundaries (an accumulation may span two epochs), so N
+  // epochs are N * micro-batches-per-epoch / gas steps; per epoch, floor(size / gas) steps left
+  // each epoch's remainder out and trained fewer epochs than asked (10 gave 8 at gas 4, M 10).
+  int64_t epoch_micro_batches = 0;
+  TANDEM_CHECK(!__builtin_mul_overflow(cfg.train.epochs, static_cast<int64_t>(loader.size()), &epoch_micro_batches),
+               ValueError, "train: train.epochs {} * {} micro-batches per epoch overflows; give fewer epochs",
+               cfg.train.epochs, loader.size());
+  const int64_t total_steps = cfg.train.steps > 0 ? cfg.train.steps : std::max<int64_t>(1, epoch_micro_batches / gas);
 
   // ---- model, optimizer, precision, DDP ----
   std::shared_ptr<nn::Module> model = make_model(cfg, data);
@@ -737,7 +745,10 @@ TrainSummary run_training(const Config& cfg, const TrainerOptions& opts) {
   std::optional<Progress> progress;
   if (main_rank) {
     fs::create_directories(opts.out_dir);
-    if (cfg.log.jsonl) jsonl = std::make_unique<JsonlWriter>(opts.out_dir + "/metrics.jsonl");
+    // The log continues through the step this run starts from; records after it (a resumed run
+    // redoes those steps) and a fresh run's predecessors' (no checkpoint to continue) are dropped.
+    if (cfg.log.jsonl)
+      jsonl = std::make_unique<JsonlWriter>(opts.out_dir + "/metrics.jsonl", resumed_from.empty() ? -1 : step);
     if (cfg.log.tensorboard) tb = std::make_unique<TensorBoardWriter>(opts.out_dir + "/tensorboard");
     progress.emplace(total_steps, cfg.log.progress, cfg.steps_per_print, opts.out);
     progress->message(fmt::format(
