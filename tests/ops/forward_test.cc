@@ -275,6 +275,54 @@ TEST(ForwardReduce, MaxArgmax) {
   EXPECT_EQ(ops::argmax(i64({4, -2, 9, 9}, {2, 2}), 0).to_vector(), (std::vector<double>{1, 1}));
 }
 
+TEST(ForwardReduce, MinArgminMirrorMax) {
+  const Tensor x = f64({3, 7, 7, 1, 9, 9, 2, 5, -1, 4, -1, 0}, {3, 4});
+  auto [v, i] = ops::min(x, 1);
+  EXPECT_EQ(v.to_vector(), (std::vector<double>{1, 2, -1}));
+  EXPECT_EQ(i.to_vector(), (std::vector<double>{3, 2, 0}));  // first index on ties
+  EXPECT_EQ(ops::argmin(x, 0, true).to_vector(), (std::vector<double>{2, 2, 2, 2}));
+  EXPECT_EQ(ops::argmin(x, 0, true).shape(), (Shape{1, 4}));
+  EXPECT_EQ(ops::min(x).item(), -1.0);
+  // Ties: min(x, dim) gives the gradient to the first minimum, min(x) shares it among all.
+  Tensor p = param({2, 1, 5, 1}, {4});
+  ops::min(p, 0).first.backward();
+  EXPECT_EQ(p.grad().to_vector(), (std::vector<double>{0, 1, 0, 0}));
+  Tensor q = param({2, 1, 5, 1}, {4});
+  ops::min(q).backward();
+  EXPECT_EQ(q.grad().to_vector(), (std::vector<double>{0, 0.5, 0, 0.5}));
+  // NaN is the minimum too (PyTorch propagates it); integers work without a gradient.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(ops::min(f64({1, nan, -3}, {3})).item()));
+  EXPECT_EQ(ops::argmin(f64({1, nan, -3}, {3}), 0).item(), 1.0);
+  EXPECT_EQ(ops::min(i64({4, -2, 9, 9}, {2, 2}), 1).first.to_vector(), (std::vector<double>{-2, 9}));
+  EXPECT_THROW(ops::min(zeros({2, 0}), 1), ShapeError);
+}
+
+TEST(ForwardReduce, VarStdAsPyTorch) {
+  const Tensor x = f64({1, 2, 3, 4, 10, 20, 30, 40}, {2, 4});
+  EXPECT_DOUBLE_EQ(ops::var(x, {1}).to_vector()[0], 5.0 / 3.0);      // Bessel: / (n - 1)
+  EXPECT_DOUBLE_EQ(ops::var(x, {1}, 0.0).to_vector()[1], 125.0);      // / n
+  EXPECT_DOUBLE_EQ(ops::std(x, {1}, 0.0).to_vector()[1], std::sqrt(125.0));
+  EXPECT_EQ(ops::var(x, {0}, 1.0, true).shape(), (Shape{1, 4}));
+  EXPECT_EQ(ops::var(x).dim(), 0);
+  // One value with correction 1: 0 / 0, NaN (PyTorch warns and returns NaN too).
+  EXPECT_TRUE(std::isnan(ops::var(f64({3}, {1})).item()));
+  // bf16: computed in f32 and rounded once (a bf16 pass would round every deviation).
+  const Tensor xb = x.to(kBFloat16);
+  EXPECT_EQ(ops::var(xb, {1}).dtype(), kBFloat16);
+  EXPECT_EQ(ops::var(xb, {1}).to_vector(), ops::var(x, {1}).to(kBFloat16).to_vector());
+  // The gradient: 2 (x - mean) / (n - correction).
+  Tensor p = param({1, 2, 3, 6}, {4});
+  ops::var(p).backward();
+  const double m = 3.0;
+  std::vector<double> want;
+  for (double e : {1.0, 2.0, 3.0, 6.0}) want.push_back(2 * (e - m) / 3.0);
+  const std::vector<double> got = p.grad().to_vector();
+  for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got[k], want[k], 1e-15);
+  EXPECT_THROW(ops::var(i64({1, 2}, {2})), DTypeError);
+  EXPECT_THROW(ops::var(x, {}, -1.0), ValueError);
+}
+
 TEST(ForwardLinalg, MatmulValues) {
   const Tensor a = f64({1, 2, 3, 4}, {2, 2}), b = f64({5, 6, 7, 8}, {2, 2});
   for (DType dt : {kFloat64, kFloat32, kBFloat16, kFloat16}) {  // small integers: exact in every dtype

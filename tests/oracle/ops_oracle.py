@@ -27,6 +27,12 @@ def _ce(reduction="mean", ignore_index=-100, label_smoothing=0.0):
     )
 
 
+def _ce_w(reduction="mean", ignore_index=-100, label_smoothing=0.0):
+    return lambda x, t, w: F.cross_entropy(
+        x, t, weight=w, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing
+    )
+
+
 def _nll(reduction="mean", ignore_index=-100):
     return lambda x, t: F.nll_loss(x, t, reduction=reduction, ignore_index=ignore_index)
 
@@ -73,6 +79,15 @@ CASES = {
     "max_dim_keepdim": lambda a: tuple(torch.max(a, dim=0, keepdim=True)),
     "max_all": lambda a: a.max(),
     "argmax": lambda a: torch.argmax(a, dim=-1),
+    "min_dim": lambda a: tuple(torch.min(a, dim=1)),
+    "min_dim_keepdim": lambda a: tuple(torch.min(a, dim=0, keepdim=True)),
+    "min_all": lambda a: a.min(),
+    "argmin": lambda a: torch.argmin(a, dim=-1),
+    "var_all": lambda a: torch.var(a),
+    "var_dims_keepdim": lambda a: torch.var(a, dim=(0, 2), keepdim=True),
+    "var_correction0": lambda a: torch.var(a, dim=-1, unbiased=False),
+    "std_dim": lambda a: torch.std(a, dim=1),
+    "std_all_correction2": lambda a: torch.sqrt(((a - a.mean()) ** 2).sum() / (a.numel() - 2)),
     # ---- matmul / linear ----
     "mm": torch.matmul,
     "mm_transposed": lambda a, b: torch.matmul(a.t(), b),
@@ -106,6 +121,11 @@ CASES = {
     "ce_4d_smooth_ignore": _ce(label_smoothing=0.1),
     "ce_1d": _ce(),
     "ce_all_ignored": _ce(),
+    "ce_weight_mean": _ce_w(),
+    "ce_weight_sum": _ce_w("sum"),
+    "ce_weight_none": _ce_w("none"),
+    "ce_weight_smooth_ignore": _ce_w(label_smoothing=0.1),
+    "ce_weight_4d_smooth_none": _ce_w("none", label_smoothing=0.2),
     "nll_mean": _nll(),
     "nll_sum": _nll("sum"),
     "nll_none": _nll("none"),

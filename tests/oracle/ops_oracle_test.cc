@@ -99,6 +99,22 @@ TEST(OpsOracle, Reductions) {
     });
     f.add("max_all", dt, {f.x({6, 7}, dt)}, [](const auto& v) { return one(ops::max(v[0])); });
     f.add("argmax", dt, {f.c({5, 7}, dt)}, [](const auto& v) { return one(ops::argmax(v[0], -1)); });
+    f.add("min_dim", dt, {f.x({5, 7}, dt)}, [](const auto& v) {
+      auto [values, indices] = ops::min(v[0], 1);
+      return std::vector<Tensor>{values, indices};
+    });
+    f.add("min_dim_keepdim", dt, {f.x({5, 7}, dt)}, [](const auto& v) {
+      auto [values, indices] = ops::min(v[0], 0, true);
+      return std::vector<Tensor>{values, indices};
+    });
+    f.add("min_all", dt, {f.x({6, 7}, dt)}, [](const auto& v) { return one(ops::min(v[0])); });
+    f.add("argmin", dt, {f.c({5, 7}, dt)}, [](const auto& v) { return one(ops::argmin(v[0], -1)); });
+    // var/std: two passes over at most 37 * 29 terms of size ~1 (the squared deviations).
+    f.add("var_all", dt, {f.x({37, 29}, dt)}, [](const auto& v) { return one(ops::var(v[0])); }, 37 * 29);
+    f.add("var_dims_keepdim", dt, {f.x({4, 5, 6}, dt)}, [](const auto& v) { return one(ops::var(v[0], {0, 2}, 1.0, true)); }, 24);
+    f.add("var_correction0", dt, {f.x({4, 5, 6}, dt)}, [](const auto& v) { return one(ops::var(v[0], {-1}, 0.0)); }, 6);
+    f.add("std_dim", dt, {f.x({4, 5, 6}, dt)}, [](const auto& v) { return one(ops::std(v[0], {1})); }, 5);
+    f.add("std_all_correction2", dt, {f.x({37, 29}, dt)}, [](const auto& v) { return one(ops::std(v[0], {}, 2.0)); }, 37 * 29);
   }
   f.run();
 }
@@ -147,6 +163,14 @@ TEST(OpsOracle, SoftmaxAndLosses) {
   auto ce = [](O o) {
     return [o](const std::vector<Tensor>& v) { return one(ops::cross_entropy(v[0], v[1], o)); };
   };
+  // With class weights (the third input, a constant).
+  auto ce_w = [](O o) {
+    return [o](const std::vector<Tensor>& v) {
+      O with = o;
+      with.weight = v[2];
+      return one(ops::cross_entropy(v[0], v[1], with));
+    };
+  };
   auto nll = [](ops::NllLossOptions o) {
     return [o](const std::vector<Tensor>& v) { return one(ops::nll_loss(v[0], v[1], o)); };
   };
@@ -177,6 +201,14 @@ TEST(OpsOracle, SoftmaxAndLosses) {
     f.add("ce_4d_smooth_ignore", dt, {logits({2, 5, 3, 4}), t4d_ignore}, ce({.label_smoothing = 0.1}), 120, 3);
     f.add("ce_1d", dt, {logits({5}), t_scalar}, ce({}), 5, 3);
     f.add("ce_all_ignored", dt, {logits({3, 4}), all_ignored}, ce({}));
+    auto class_weights = [&](int64_t C) { return f.c({C}, dt, 0.2, 2.0); };
+    f.add("ce_weight_mean", dt, {logits({8, 5}), t8, class_weights(5)}, ce_w({}), 8, 6);
+    f.add("ce_weight_sum", dt, {logits({8, 5}), t8, class_weights(5)}, ce_w({.reduction = "sum"}), 8, 6);
+    f.add("ce_weight_none", dt, {logits({8, 5}), t8, class_weights(5)}, ce_w({.reduction = "none"}), 5, 6);
+    f.add("ce_weight_smooth_ignore", dt, {logits({8, 5}), t8_ignore, class_weights(5)},
+          ce_w({.label_smoothing = 0.1}), 40, 6);
+    f.add("ce_weight_4d_smooth_none", dt, {logits({2, 5, 3, 4}), t4d_ignore, class_weights(5)},
+          ce_w({.label_smoothing = 0.2, .reduction = "none"}), 5, 6);
     f.add("nll_mean", dt, {f.x({6, 5}, dt, -3, 0), t6}, nll({}), 6, 3);
     f.add("nll_sum", dt, {f.x({6, 5}, dt, -3, 0), t6}, nll({.reduction = "sum"}), 6, 3);
     f.add("nll_none", dt, {f.x({6, 5}, dt, -3, 0), t6}, nll({.reduction = "none"}));

@@ -154,6 +154,49 @@ Flat flatten_classes(const Tensor& input, const Tensor& target, const char* op) 
 
 }  // namespace
 
+namespace {
+
+// cross_entropy with class weights, composed of differentiable ops in the accumulation dtype:
+// loss_r = -(1 - eps) w[t_r] logp[r, t_r] - eps / C sum_c w_c logp[r, c] (0 for ignored rows);
+// "mean" divides the sum by sum_r w[t_r] over the rows not ignored (PyTorch's nll_loss and its
+// label-smoothing term both normalise so).
+Tensor weighted_cross_entropy(const Tensor& input, const Flat& f, const CrossEntropyOptions& o, Reduction red, DType acc_dt) {
+  const int64_t R = f.x.size(0), C = f.x.size(1);
+  const Tensor& w = o.weight;
+  TANDEM_CHECK(w.dim() == 1 && w.size(0) == C, ShapeError,
+               "cross_entropy: weight must be a 1-d tensor of {} class weights, got shape {}", C, shape_str(w.shape()));
+  TANDEM_CHECK(is_floating(w.dtype()), DTypeError, "cross_entropy: weight must be floating-point, got {}",
+               dtype_name(w.dtype()));
+  const std::vector<double> wv = w.to_vector();
+  const int64_t* t = f.target.data_ptr<int64_t>();
+  // Constants: each row's target one-hot scaled by its weight, and the rows kept.
+  std::vector<double> picked(static_cast<size_t>(R * C), 0.0), kept(static_cast<size_t>(R), 0.0);
+  double total_weight = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    if (t[r] == o.ignore_index) continue;
+    picked[static_cast<size_t>(r * C + t[r])] = wv[static_cast<size_t>(t[r])];
+    kept[static_cast<size_t>(r)] = 1.0;
+    total_weight += wv[static_cast<size_t>(t[r])];
+  }
+  // The input as (R, C) rows, differentiably (f.x is a detached copy).
+  Tensor rows;
+  if (input.dim() == 1) rows = input.reshape({1, C});
+  else if (input.dim() == 2) rows = input;
+  else rows = classes_last(input).reshape({R, C});
+  const Tensor logp = log_softmax(rows.to(acc_dt), 1);
+  const double eps = o.label_smoothing;
+  Tensor per_row = mul(sum(mul(logp, tensor(picked, {R, C}, acc_dt)), {1}), -(1.0 - eps));
+  if (eps > 0) {
+    const Tensor smooth = mul(sum(mul(logp, w.detach().to(acc_dt).reshape({1, C})), {1}), tensor(kept, {R}, acc_dt));
+    per_row = sub(per_row, mul(smooth, eps / static_cast<double>(C)));
+  }
+  if (red == Reduction::none) return per_row.reshape(f.loss_shape);
+  const Tensor total = sum(per_row);
+  return red == Reduction::sum ? total : div(total, total_weight);
+}
+
+}  // namespace
+
 Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntropyOptions& o) {
   if (amp::autocast_active()) return amp::autocast_call(amp::Op::cross_entropy, [](const auto&... args) { return cross_entropy(args...); }, input, target, o);
   const Reduction red = parse_reduction(o.reduction, "cross_entropy");
@@ -167,6 +210,7 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
     TANDEM_CHECK(t[r] == o.ignore_index || (t[r] >= 0 && t[r] < C), ValueError,
                  "cross_entropy: target {} at position {} is out of range for {} classes", t[r], r, C);
   }
+  if (o.weight.defined()) return weighted_cross_entropy(input, f, o, red, acc_dt);
   // ---- forward: per-row loss from log-softmax (kept as probabilities for backward) ----
   Tensor probs = empty({R, C}, acc_dt);
   Tensor row_loss = empty({R}, acc_dt);

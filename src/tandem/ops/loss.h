@@ -15,6 +15,10 @@ struct CrossEntropyOptions {
   int64_t ignore_index = -100;
   double label_smoothing = 0.0;
   std::string_view reduction = "mean";  // "mean", "sum" or "none"
+  // Class weights (C), PyTorch's `weight`: each row's loss is scaled by its target's weight (the
+  // smoothing term by every class's), and "mean" divides by the summed weights of the rows not
+  // ignored. No gradient flows to it (PyTorch's is not differentiable either).
+  Tensor weight;
 };
 
 // PyTorch's cross_entropy with class-index targets: input (N, C) or (N, C, d1, ...) or (C),

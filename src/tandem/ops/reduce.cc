@@ -1,6 +1,9 @@
 // Reductions with their backward beside them.
 #include "tandem/ops/reduce.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "tandem/amp/policy.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
@@ -65,12 +68,17 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims_in, bool keepdim) 
   return out;
 }
 
-std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
-  const int64_t d = wrap_dim(dim, x.dim(), "max");
-  auto [values, indices] = kernels::max_dim(x, d, keepdim);
+namespace {
+
+// max / min along `dim`: the values and the index of the first extreme element; the gradient
+// flows to that element (PyTorch's value_selecting_reduction_backward).
+std::pair<Tensor, Tensor> extreme_dim(const Tensor& x, int64_t dim, bool keepdim, bool minimum) {
+  const char* op = minimum ? "min" : "max";
+  const int64_t d = wrap_dim(dim, x.dim(), op);
+  auto [values, indices] = kernels::max_dim(x, d, keepdim, minimum);
   if (is_floating(x.dtype())) {
-    record("MaxBackward", {x}, {values}, [in_shape = x.shape(), d, keepdim, indices](const G& g) {
-      // Scatter each gradient to the position of its maximum.
+    record(minimum ? "MinBackward" : "MaxBackward", {x}, {values}, [in_shape = x.shape(), d, keepdim, indices](const G& g) {
+      // Scatter each gradient to the position of its extreme element.
       Tensor gi = zeros(in_shape, g[0].dtype());
       const Shape kshape = kernels::reduced_shape(in_shape, {d}, true);
       const Tensor gv = g[0].reshape(kshape).contiguous();
@@ -91,16 +99,18 @@ std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) {
   return {values, indices};
 }
 
-Tensor max(const Tensor& x) {
-  TANDEM_CHECK(x.numel() > 0, ShapeError, "max: the input is empty (shape {})", shape_str(x.shape()));
-  Tensor value = kernels::max_dim(x.detach().reshape({-1}), 0, false).first;
+// The max / min of all elements (0-d).
+Tensor extreme_all(const Tensor& x, bool minimum) {
+  const char* op = minimum ? "min" : "max";
+  TANDEM_CHECK(x.numel() > 0, ShapeError, "{}: the input is empty (shape {})", op, shape_str(x.shape()));
+  Tensor value = kernels::max_dim(x.detach().reshape({-1}), 0, false, minimum).first;
   if (is_floating(x.dtype())) {
     // PyTorch's evenly_distribute_backward: the gradient is shared equally by every element equal
-    // to the maximum (max(x, dim) gives it to the first one instead).
-    record("MaxBackward1", {x}, {value}, [xs = x.detach(), v = value.detach()](const G& g) {
+    // to the extreme value (max(x, dim) gives it to the first one instead).
+    record(minimum ? "MinBackward1" : "MaxBackward1", {x}, {value}, [xs = x.detach(), v = value.detach()](const G& g) {
       Tensor mask = eq(xs, v).to(kFloat64);  // counted in f64: exact for any number of ties
       double ties = sum(mask).item();
-      if (ties == 0) {  // the maximum is NaN: its NaN elements share the gradient
+      if (ties == 0) {  // the extreme value is NaN: its NaN elements share the gradient
         mask = sub(ones(xs.shape(), kFloat64), eq(xs, xs).to(kFloat64));
         ties = sum(mask).item();
       }
@@ -111,9 +121,42 @@ Tensor max(const Tensor& x) {
   return value;
 }
 
+}  // namespace
+
+std::pair<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim) { return extreme_dim(x, dim, keepdim, false); }
+std::pair<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim) { return extreme_dim(x, dim, keepdim, true); }
+Tensor max(const Tensor& x) { return extreme_all(x, false); }
+Tensor min(const Tensor& x) { return extreme_all(x, true); }
+
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
   const int64_t d = wrap_dim(dim, x.dim(), "argmax");
   return kernels::max_dim(x.detach(), d, keepdim).second;
+}
+
+Tensor argmin(const Tensor& x, int64_t dim, bool keepdim) {
+  const int64_t d = wrap_dim(dim, x.dim(), "argmin");
+  return kernels::max_dim(x.detach(), d, keepdim, true).second;
+}
+
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
+  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "var: expected a floating input, got {}", dtype_name(x.dtype()));
+  TANDEM_CHECK(std::isfinite(correction) && correction >= 0, ValueError,
+               "var: correction must be a finite number >= 0, got {}", correction);
+  const std::vector<int64_t> d = kernels::reduction_dims(dims, x.dim(), "var");
+  int64_t n = 1;
+  for (int64_t k : d) n *= x.size(k);
+  // Two passes, in f32 for 16-bit inputs (PyTorch accumulates them in f32 too), rounded once.
+  const Tensor xc = is_reduced_float(x.dtype()) ? x.to(kFloat32) : x;
+  const Tensor dev = sub(xc, mean(xc, d, /*keepdim=*/true));
+  // sum / max(0, n - correction), as PyTorch's: n <= correction gives inf (or NaN for 0 / 0).
+  const Tensor v = div(sum(mul(dev, dev), d, keepdim), std::max(0.0, static_cast<double>(n) - correction));
+  return v.to(x.dtype());
+}
+
+Tensor std(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
+  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "std: expected a floating input, got {}", dtype_name(x.dtype()));
+  const Tensor xc = is_reduced_float(x.dtype()) ? x.to(kFloat32) : x;
+  return sqrt(var(xc, dims, correction, keepdim)).to(x.dtype());
 }
 
 }  // namespace tandem::ops

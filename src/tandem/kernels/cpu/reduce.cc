@@ -136,10 +136,11 @@ Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DTyp
   return out;
 }
 
-std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim) {
+std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim, bool minimum) {
   const std::vector<int64_t> dims{dim};
-  TANDEM_CHECK(x.dim() == 0 || x.size(dim) > 0, ShapeError, "max: cannot reduce over an empty dimension {} of shape {}",
-               dim, shape_str(x.shape()));
+  const char* op = minimum ? "min" : "max";
+  TANDEM_CHECK(x.dim() == 0 || x.size(dim) > 0, ShapeError, "{}: cannot reduce over an empty dimension {} of shape {}",
+               op, dim, shape_str(x.shape()));
   const Shape oshape = reduced_shape(x.shape(), x.dim() == 0 ? std::vector<int64_t>{} : dims, keepdim);
   Tensor values = empty(oshape, x.dtype());
   Tensor indices = empty(oshape, kInt64);
@@ -147,22 +148,25 @@ std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim) {
   const Tensor xc = kept_then_reduced(x, x.dim() == 0 ? std::vector<int64_t>{} : dims, O, R);
   TANDEM_DISPATCH_ALL(x.dtype(), "max", [&] {
     using T = scalar_t;
+    using C = compute_t<T>;
     const T* p = static_cast<const T*>(xc.data_ptr());
     T* v = static_cast<T*>(values.data_ptr());
     int64_t* ix = indices.data_ptr<int64_t>();
+    // The first extreme element; a NaN wins (and the first NaN stops the search), as PyTorch's.
+    const auto better = [minimum](C cur, C best) { return minimum ? cur < best : cur > best; };
     for (int64_t i = 0; i < O; ++i) {
       const T* row = p + i * R;
       int64_t best = 0;
-      compute_t<T> bv = static_cast<compute_t<T>>(row[0]);
+      C bv = static_cast<C>(row[0]);
       for (int64_t j = 1; j < R; ++j) {
-        const compute_t<T> cur = static_cast<compute_t<T>>(row[j]);
-        if constexpr (std::is_floating_point_v<compute_t<T>>) {
+        const C cur = static_cast<C>(row[j]);
+        if constexpr (std::is_floating_point_v<C>) {
           if (std::isnan(bv)) break;
-          if (std::isnan(cur) || cur > bv) {
+          if (std::isnan(cur) || better(cur, bv)) {
             bv = cur;
             best = j;
           }
-        } else if (cur > bv) {
+        } else if (better(cur, bv)) {
           bv = cur;
           best = j;
         }

@@ -17,6 +17,6 @@ Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& dims, bool k
 // Sum over `dims` (already normalised), output dtype `out_dtype` (floating).
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DType out_dtype);
 // Max over one dim: (values, int64 indices of the first maximum). NaN wins, as in PyTorch.
-std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim);
+std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim, bool minimum = false);
 
 }  // namespace tandem::kernels
