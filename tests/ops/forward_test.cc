@@ -321,6 +321,18 @@ TEST(ForwardReduce, VarStdAsPyTorch) {
   for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got[k], want[k], 1e-15);
   EXPECT_THROW(ops::var(i64({1, 2}, {2})), DTypeError);
   EXPECT_THROW(ops::var(x, {}, -1.0), ValueError);
+  // std's gradient: (x - mean) / (std * (n - correction)), and 0 for a constant slice (PyTorch's
+  // std_backward masks it; sqrt's backward alone gave NaN over the whole slice).
+  Tensor c = param({1, 1, 1, 1, 2, 3}, {2, 3});
+  ops::sum(ops::std(c, {1})).backward();
+  const std::vector<double> gc = c.grad().to_vector();
+  EXPECT_EQ(std::vector<double>(gc.begin(), gc.begin() + 3), (std::vector<double>{0, 0, 0}));
+  EXPECT_NEAR(gc[3], -0.5, 1e-15);
+  EXPECT_NEAR(gc[4], 0.0, 1e-15);
+  EXPECT_NEAR(gc[5], 0.5, 1e-15);
+  Tensor ones_p = param({1, 1, 1, 1}, {4});
+  ops::std(ones_p).backward();
+  EXPECT_EQ(ones_p.grad().to_vector(), (std::vector<double>{0, 0, 0, 0}));
 }
 
 TEST(ForwardLinalg, MatmulValues) {
@@ -644,6 +656,36 @@ TEST(ForwardLoss, CrossEntropyByHand) {
   const Tensor n4 = ops::cross_entropy(x4, t4, {.reduction = "none"});
   EXPECT_EQ(n4.shape(), (Shape{1, 1, 3}));
   EXPECT_TRUE(testing::all_close(n4.reshape({3}), ops::cross_entropy(x, t, {.reduction = "none"}), 1e-14, 0));
+}
+
+// A class at -inf (a masked vocabulary entry) leaves the loss finite, as in PyTorch: without
+// smoothing the sum of all log-probabilities is not used (0 * -inf was NaN), and with class
+// weights the target is selected, not multiplied by a one-hot. torch 2.x values.
+TEST(ForwardLoss, CrossEntropyWithAClassAtMinusInfinityIsFinite) {
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor x = f64({0, -inf, 1, 2, 0, -inf}, {2, 3});
+  x.requires_grad_(true);
+  const Tensor t = i64({0, 1}, {2});
+  EXPECT_NEAR(ops::cross_entropy(x, t).item(), 1.7200948492, 1e-9);
+  ops::CrossEntropyOptions o;
+  o.weight = f64({1, 2, 3}, {3});
+  const Tensor lw = ops::cross_entropy(x, t, o);
+  EXPECT_NEAR(lw.item(), 1.8557059032, 1e-9);
+  lw.backward();
+  const std::vector<double> g = x.grad().to_vector();
+  const std::vector<double> want = {-0.2437, 0, 0.2437, 0.5872, -0.5872, 0};
+  for (size_t k = 0; k < g.size(); ++k) EXPECT_NEAR(g[k], want[k], 1e-4) << k;
+  // Smoothing with an ignored row holding -inf: that row is 0, not NaN (torch 2.x values).
+  const Tensor x2 = f64({0, 0.5, 1, 2, 0, -inf}, {2, 3});
+  o.label_smoothing = 0.1;
+  o.ignore_index = 1;
+  EXPECT_NEAR(ops::cross_entropy(x2, t, o).item(), 1.7149633044, 1e-9);
+  EXPECT_NEAR(ops::cross_entropy(x2, t, {.ignore_index = 1, .label_smoothing = 0.1}).item(), 1.6302696706, 1e-9);
+  // The weight gets no gradient: one that requires it is refused (PyTorch refuses it too).
+  Tensor w = f64({1, 2, 3}, {3});
+  w.requires_grad_(true);
+  o.weight = w;
+  EXPECT_THROW(ops::cross_entropy(x, t, o), AutogradError);
 }
 
 TEST(ForwardLoss, NllAndMse) {

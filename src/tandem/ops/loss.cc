@@ -5,10 +5,12 @@
 #include <limits>
 
 #include "tandem/amp/policy.h"
+#include "tandem/autograd/grad_mode.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/ops/elementwise.h"
 #include "tandem/ops/reduce.h"
+#include "tandem/ops/where.h"
 
 namespace tandem::ops {
 
@@ -167,15 +169,23 @@ Tensor weighted_cross_entropy(const Tensor& input, const Flat& f, const CrossEnt
                "cross_entropy: weight must be a 1-d tensor of {} class weights, got shape {}", C, shape_str(w.shape()));
   TANDEM_CHECK(is_floating(w.dtype()), DTypeError, "cross_entropy: weight must be floating-point, got {}",
                dtype_name(w.dtype()));
+  TANDEM_CHECK(!(autograd::is_grad_enabled() && w.requires_grad()), AutogradError,
+               "cross_entropy: weight requires grad, but the loss is not differentiable with respect to its class "
+               "weights (nor is PyTorch's); pass weight.detach()");
   const std::vector<double> wv = w.to_vector();
   const int64_t* t = f.target.data_ptr<int64_t>();
-  // Constants: each row's target one-hot scaled by its weight, and the rows kept.
-  std::vector<double> picked(static_cast<size_t>(R * C), 0.0), kept(static_cast<size_t>(R), 0.0);
+  // Constants: each kept row's target as a mask (a selection, not a product with a one-hot: a
+  // class at -inf would make -inf * 0 = NaN), its weight, and the rows kept.
+  Tensor target_mask = zeros({R, C}, kBool), kept_mask = zeros({R}, kBool);
+  auto* tm = static_cast<uint8_t*>(target_mask.data_ptr());
+  auto* km = static_cast<uint8_t*>(kept_mask.data_ptr());
+  std::vector<double> row_weight(static_cast<size_t>(R), 0.0);
   double total_weight = 0;
   for (int64_t r = 0; r < R; ++r) {
     if (t[r] == o.ignore_index) continue;
-    picked[static_cast<size_t>(r * C + t[r])] = wv[static_cast<size_t>(t[r])];
-    kept[static_cast<size_t>(r)] = 1.0;
+    tm[r * C + t[r]] = 1;
+    km[r] = 1;
+    row_weight[static_cast<size_t>(r)] = wv[static_cast<size_t>(t[r])];
     total_weight += wv[static_cast<size_t>(t[r])];
   }
   // The input as (R, C) rows, differentiably (f.x is a detached copy).
@@ -184,11 +194,13 @@ Tensor weighted_cross_entropy(const Tensor& input, const Flat& f, const CrossEnt
   else if (input.dim() == 2) rows = input;
   else rows = classes_last(input).reshape({R, C});
   const Tensor logp = log_softmax(rows.to(acc_dt), 1);
+  const Tensor zero = zeros({}, acc_dt);
   const double eps = o.label_smoothing;
-  Tensor per_row = mul(sum(mul(logp, tensor(picked, {R, C}, acc_dt)), {1}), -(1.0 - eps));
+  const Tensor target_logp = sum(where(target_mask, logp, zero), {1});  // logp[r, t_r], 0 when ignored
+  Tensor per_row = mul(mul(target_logp, tensor(row_weight, {R}, acc_dt)), -(1.0 - eps));
   if (eps > 0) {
-    const Tensor smooth = mul(sum(mul(logp, w.detach().to(acc_dt).reshape({1, C})), {1}), tensor(kept, {R}, acc_dt));
-    per_row = sub(per_row, mul(smooth, eps / static_cast<double>(C)));
+    const Tensor smooth = sum(mul(logp, w.detach().to(acc_dt).reshape({1, C})), {1});
+    per_row = sub(per_row, mul(where(kept_mask, smooth, zero), eps / static_cast<double>(C)));
   }
   if (red == Reduction::none) return per_row.reshape(f.loss_shape);
   const Tensor total = sum(per_row);
@@ -245,7 +257,10 @@ Tensor cross_entropy(const Tensor& input, const Tensor& target, const CrossEntro
           continue;
         }
         const Acc nll = lse - static_cast<Acc>(xr[t[r]]);
-        l[r] = static_cast<Acc>(1.0 - eps) * nll - static_cast<Acc>(eps / static_cast<double>(C)) * sum_logp;
+        // (Without smoothing the sum of log-probabilities is not used: a class at -inf made it
+        // -inf, and 0 * -inf = NaN where PyTorch's loss is finite.)
+        l[r] = eps == 0 ? nll
+                        : static_cast<Acc>(1.0 - eps) * nll - static_cast<Acc>(eps / static_cast<double>(C)) * sum_logp;
       }
     });
   });

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "tandem/amp/policy.h"
+#include "tandem/autograd/grad_mode.h"
 #include "tandem/autograd/node.h"
 #include "tandem/kernels/cpu/loops.h"
 #include "tandem/kernels/cpu/reduce.h"
@@ -155,8 +156,33 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction,
 
 Tensor std(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
   TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "std: expected a floating input, got {}", dtype_name(x.dtype()));
-  const Tensor xc = is_reduced_float(x.dtype()) ? x.to(kFloat32) : x;
-  return sqrt(var(xc, dims, correction, keepdim)).to(x.dtype());
+  TANDEM_CHECK(std::isfinite(correction) && correction >= 0, ValueError,
+               "std: correction must be a finite number >= 0, got {}", correction);
+  const std::vector<int64_t> d = kernels::reduction_dims(dims, x.dim(), "std");
+  int64_t n = 1;
+  for (int64_t k : d) n *= x.size(k);
+  const double denom = std::max(0.0, static_cast<double>(n) - correction);
+  // Its own backward, PyTorch's std_backward: g / (2 std) * 2 (x - mean) / denom, and 0 where
+  // the std is 0 (sqrt's backward there is g / 0, and a constant slice's gradient came out NaN).
+  Tensor dev, s_keep;
+  {
+    NoGradGuard no_grad;
+    const Tensor xc = is_reduced_float(x.dtype()) ? x.detach().to(kFloat32) : x.detach();
+    dev = sub(xc, mean(xc, d, /*keepdim=*/true));
+    s_keep = sqrt(div(sum(mul(dev, dev), d, /*keepdim=*/true), denom));
+  }
+  const Shape out_shape = kernels::reduced_shape(x.shape(), d, keepdim);
+  Tensor out = s_keep.reshape(out_shape).to(x.dtype());
+  if (out.is_same(s_keep) || out.storage() == s_keep.storage()) out = out.clone();  // (its own storage)
+  record("StdBackward", {x}, {out}, [dev, s_keep, denom, in_dtype = x.dtype()](const G& g) {
+    const Tensor gk = g[0].to(s_keep.dtype()).reshape(s_keep.shape());
+    const Tensor coef = kernels::binary_op(gk, s_keep, "std backward", [denom](auto gg, auto ss) {
+      using T = decltype(gg);
+      return ss == T(0) ? T(0) : gg / (ss * static_cast<T>(denom));
+    });
+    return G{mul(dev, coef).to(in_dtype)};
+  });
+  return out;
 }
 
 }  // namespace tandem::ops
