@@ -57,7 +57,8 @@ class EnvGuard {
   static constexpr const char* kVars[] = {
       "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-      "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+      "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+      "SLURM_STEP_NODELIST"};
   std::map<std::string, std::string> saved_;
 };
 
@@ -110,6 +111,9 @@ TEST(LaunchEnv, SlurmWithCompressedNodeList) {
   EXPECT_EQ(e.local_rank, 1);
   EXPECT_EQ(e.master_addr, "node07");
   EXPECT_EQ(e.master_port, 1234);
+  // An srun step on part of the allocation: its task 0 runs on the step's first node.
+  g.set("SLURM_STEP_NODELIST", "node[09-10]");
+  EXPECT_EQ(read_launch_env().master_addr, "node09");
   EXPECT_EQ(slurm_first_host("a,b"), "a");
   EXPECT_EQ(slurm_first_host("gpu-[3-5]"), "gpu-3");
   EXPECT_EQ(slurm_first_host("rack[1-2]-n[01-04]"), "rack1-n01");

@@ -100,7 +100,7 @@ std::string slurm_first_host(const std::string& nodelist) {
     if (nodelist[i] == '[') {
       const size_t close = nodelist.find(']', i);
       TANDEM_CHECK(close != std::string::npos, ValueError,
-                   "SLURM_JOB_NODELIST='{}' has an unclosed '['", nodelist);
+                   "the Slurm node list '{}' has an unclosed '['", nodelist);
       const std::string range = nodelist.substr(i + 1, close - i - 1);
       const size_t end = range.find_first_of(",-");
       host += range.substr(0, end);  // the first number keeps its zero padding
@@ -109,7 +109,7 @@ std::string slurm_first_host(const std::string& nodelist) {
       host += nodelist[i++];
     }
   }
-  TANDEM_CHECK(!host.empty(), ValueError, "SLURM_JOB_NODELIST='{}' names no host", nodelist);
+  TANDEM_CHECK(!host.empty(), ValueError, "the Slurm node list '{}' names no host", nodelist);
   return host;
 }
 
@@ -133,7 +133,10 @@ LaunchEnv read_launch_env() {
     env.world_size = int_var("SLURM_NTASKS", 1);
     env.local_rank = int_var("SLURM_LOCALID", 0);
     env.local_world_size = int_var("SLURM_NTASKS_PER_NODE", 1);
-    if (const char* nodes = getenv_nonempty("SLURM_JOB_NODELIST")) env.master_addr = slurm_first_host(nodes);
+    // The step's first node runs its task 0 (an srun on part of the allocation does not start on
+    // the job's first node), else the job's.
+    if (const char* step = getenv_nonempty("SLURM_STEP_NODELIST")) env.master_addr = slurm_first_host(step);
+    else if (const char* nodes = getenv_nonempty("SLURM_JOB_NODELIST")) env.master_addr = slurm_first_host(nodes);
     else if (const char* nodes2 = getenv_nonempty("SLURM_NODELIST")) env.master_addr = slurm_first_host(nodes2);
   }
   // MASTER_ADDR/MASTER_PORT win over what a scheduler implies.

@@ -192,7 +192,7 @@ struct LaunchEnv {
 };
 // Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT, else
 // OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE, else SLURM_PROCID/NTASKS/LOCALID/
-// first host of SLURM_JOB_NODELIST. Throws ValueError for a malformed value, naming it.
+// first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST, SLURM_NODELIST). Throws ValueError for a malformed value, naming it.
 LaunchEnv read_launch_env();
 
 // Creates the default group (once; a second call throws ValueError) and returns it. A missing
