@@ -25,6 +25,7 @@
 #include "collective_sweep.h"
 #include "tandem/dist/backends.h"
 #include "tandem/dist/process_group.h"
+#include "util/test_util.h"
 #include "tandem/dist/spawn.h"
 
 namespace tandem::dist {
@@ -171,25 +172,13 @@ TEST(InitProcessGroup, MissingVariablesAreNamedWithTheFix) {
   EXPECT_THROW(get_rank(), ValueError);
 }
 
-int unused_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // init_method's query gives rank and world_size, as PyTorch's rendezvous reads it (a tcp:// URL
 // with them said "RANK is not set"; a file:// one made a file named "x?rank=0&world_size=1").
 TEST(InitProcessGroup, TheUrlsQueryGivesRankAndWorldSize) {
   EnvGuard g;
   InitOptions o;
   o.timeout = 10s;
-  o.init_method = fmt::format("tcp://127.0.0.1:{}/?rank=0&world_size=1", unused_port());
+  o.init_method = fmt::format("tcp://127.0.0.1:{}/?rank=0&world_size=1", tandem::testing::unused_port());
   {
     auto pg = init_process_group(o);
     EXPECT_EQ(get_rank(), 0);
@@ -227,7 +216,7 @@ TEST(InitProcessGroup, ReinitWhileAGroupOfTheDestroyedOneIsHeldSaysWhy) {
   EnvGuard g;
   InitOptions o;
   o.timeout = 10s;
-  o.init_method = fmt::format("tcp://127.0.0.1:{}?rank=0&world_size=1", unused_port());
+  o.init_method = fmt::format("tcp://127.0.0.1:{}?rank=0&world_size=1", tandem::testing::unused_port());
   auto held = init_process_group(o);
   destroy_process_group();
   try {

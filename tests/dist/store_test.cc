@@ -22,6 +22,7 @@
 #include "tandem/dist/file_store.h"
 #include "tandem/dist/store.h"
 #include "tandem/dist/tcp_store.h"
+#include "util/test_util.h"
 
 namespace tandem::dist {
 namespace {
@@ -587,17 +588,7 @@ TEST(TCPStore, TimeoutNamesKeyHostPortAndTimeout) {
   }
 }
 
-uint16_t unused_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);  // nothing listens there now
-  return ntohs(addr.sin_port);
-}
+using testing::unused_port;
 
 TEST(TCPStore, ConnectingToAClosedPortFailsWithinTheTimeout) {
   const uint16_t port = unused_port();

@@ -91,4 +91,8 @@ AttentionBounds attention_bf16_bounds(const Tensor& q, const Tensor& k, const Te
 // Path of a file in the source tree.
 std::string source_path(const std::string& relative);
 
+// A loopback TCP port that was free a moment ago (bound to port 0, then closed): nothing listens
+// there now, and a test may bind it.
+uint16_t unused_port();
+
 }  // namespace tandem::testing

@@ -139,29 +139,34 @@ Tensor argmin(const Tensor& x, int64_t dim, bool keepdim) {
   return kernels::max_dim(x.detach(), d, keepdim, true).second;
 }
 
-Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
-  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "var: expected a floating input, got {}", dtype_name(x.dtype()));
+namespace {
+
+// var/std's reduced dims and divisor max(0, n - correction) (PyTorch's: n <= correction gives inf,
+// or NaN for 0 / 0), after checking the input and the correction.
+std::pair<std::vector<int64_t>, double> spread_dims(const Tensor& x, const std::vector<int64_t>& dims, double correction,
+                                                    const char* op) {
+  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "{}: expected a floating input, got {}", op, dtype_name(x.dtype()));
   TANDEM_CHECK(std::isfinite(correction) && correction >= 0, ValueError,
-               "var: correction must be a finite number >= 0, got {}", correction);
-  const std::vector<int64_t> d = kernels::reduction_dims(dims, x.dim(), "var");
+               "{}: correction must be a finite number >= 0, got {}", op, correction);
+  std::vector<int64_t> d = kernels::reduction_dims(dims, x.dim(), op);
   int64_t n = 1;
   for (int64_t k : d) n *= x.size(k);
+  return {std::move(d), std::max(0.0, static_cast<double>(n) - correction)};
+}
+
+}  // namespace
+
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
+  const auto [d, denom] = spread_dims(x, dims, correction, "var");
   // Two passes, in f32 for 16-bit inputs (PyTorch accumulates them in f32 too), rounded once.
   const Tensor xc = is_reduced_float(x.dtype()) ? x.to(kFloat32) : x;
   const Tensor dev = sub(xc, mean(xc, d, /*keepdim=*/true));
-  // sum / max(0, n - correction), as PyTorch's: n <= correction gives inf (or NaN for 0 / 0).
-  const Tensor v = div(sum(mul(dev, dev), d, keepdim), std::max(0.0, static_cast<double>(n) - correction));
+  const Tensor v = div(sum(mul(dev, dev), d, keepdim), denom);
   return v.to(x.dtype());
 }
 
 Tensor std(const Tensor& x, const std::vector<int64_t>& dims, double correction, bool keepdim) {
-  TANDEM_CHECK(is_floating(x.dtype()), DTypeError, "std: expected a floating input, got {}", dtype_name(x.dtype()));
-  TANDEM_CHECK(std::isfinite(correction) && correction >= 0, ValueError,
-               "std: correction must be a finite number >= 0, got {}", correction);
-  const std::vector<int64_t> d = kernels::reduction_dims(dims, x.dim(), "std");
-  int64_t n = 1;
-  for (int64_t k : d) n *= x.size(k);
-  const double denom = std::max(0.0, static_cast<double>(n) - correction);
+  const auto [d, denom] = spread_dims(x, dims, correction, "std");
   // Its own backward, PyTorch's std_backward: g / (2 std) * 2 (x - mean) / denom, and 0 where
   // the std is 0 (sqrt's backward there is g / 0, and a constant slice's gradient came out NaN).
   Tensor dev, s_keep;
