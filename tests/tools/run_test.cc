@@ -70,17 +70,6 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-uint16_t free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 std::string fmt_rank(int r) { return "[rank" + std::to_string(r) + "]: "; }
 
@@ -171,7 +160,7 @@ TEST(Run, KeepsThreadCountsTheUserSet) {
 // (MASTER_ADDR=[::1] could not be resolved).
 TEST(Run, TorchrunRendezvousFlagsAreAcceptedAndSetTheirVariables) {
   ProcResult r = run_process(cmd({"--nproc-per-node", "2", "--rdzv-backend=c10d", "--rdzv-id", "job7", "--role", "trainer",
-                                  "--local-addr", "127.0.0.1", "--rdzv-endpoint", "[::1]:" + std::to_string(free_port())},
+                                  "--local-addr", "127.0.0.1", "--rdzv-endpoint", "[::1]:" + std::to_string(unused_port())},
                                  {"env"}),
                              launcher_env());
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -546,7 +535,7 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- two nodes on one machine ----
 
 TEST(Run, TwoLaunchersFormOneJobOverLoopback) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
   auto node = [&](int r, std::vector<std::string> steps) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-addr", "127.0.0.1", "--master-port", port,
@@ -579,7 +568,7 @@ TEST(Run, TwoLaunchersFormOneJobOverLoopback) {
 }
 
 TEST(Run, AFailureOnOneNodeStopsBothAndIsNamedOnNodeZero) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
   auto node = [&](int r) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
@@ -601,7 +590,7 @@ TEST(Run, AFailureOnOneNodeStopsBothAndIsNamedOnNodeZero) {
 // Heartbeats come from their own thread: a --monitor-interval longer than --heartbeat-timeout
 // made node 0 take the healthy node 1 (whose worker was still running) for dead.
 TEST(Run, ASlowMonitorIntervalDoesNotMakeAHealthyNodeLookDead) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
   auto node = [&](int r) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
@@ -618,7 +607,7 @@ TEST(Run, ASlowMonitorIntervalDoesNotMakeAHealthyNodeLookDead) {
 }
 
 TEST(Run, ANodeThatNeverJoinsIsNamedAfterTheRendezvousTimeout) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   ProcResult r = run_process(cmd({"--nnodes", "2", "--node-rank", "0", "--master-port", port, "--rdzv-timeout", "0.5"},
                                  {"out:started"}),
                              launcher_env({{"TANDEM_STORE_TOKEN", "t"}}));
@@ -629,7 +618,7 @@ TEST(Run, ANodeThatNeverJoinsIsNamedAfterTheRendezvousTimeout) {
 }
 
 TEST(Run, AFailureOnOneNodeRestartsBothNodes) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
   auto node = [&](int r) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
@@ -648,7 +637,7 @@ TEST(Run, AFailureOnOneNodeRestartsBothNodes) {
 }
 
 TEST(Run, ANodeWhoseLauncherDiesIsNamedByTheOthers) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
   auto node = [&](int r) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
@@ -670,7 +659,7 @@ TEST(Run, ANodeWhoseLauncherDiesIsNamedByTheOthers) {
 }
 
 TEST(Run, AnInterruptedNodeEndsTheJobOnEveryNodeWithoutRestarts) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto env = launcher_env({{"TANDEM_STORE_TOKEN", "two-node-test-secret"}});
   auto node = [&](int r) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--nproc-per-node", "1",
@@ -691,7 +680,7 @@ TEST(Run, AnInterruptedNodeEndsTheJobOnEveryNodeWithoutRestarts) {
 }
 
 TEST(Run, ANodeWithTheWrongTokenFailsAtOnceNamingIt) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   auto node = [&](int r) {
     return cmd({"--nnodes", "2", "--node-rank", std::to_string(r), "--master-port", port, "--rdzv-timeout", "3"},
                {"out:started"});

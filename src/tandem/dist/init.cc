@@ -397,8 +397,8 @@ void release_store_host(Store& store, const std::string& prefix, int rank, int s
   }
 }
 
-std::shared_ptr<Store> store_from_init_method(const InitOptions& o, int rank, int world_size) {
-  const std::string m = parse_init_url(o.init_method).base;
+// `m`: o.init_method without its query (parse_init_url's base).
+std::shared_ptr<Store> store_from_init_method(const InitOptions& o, const std::string& m, int rank, int world_size) {
   auto need = [](bool ok, const char* what) {
     TANDEM_CHECK(ok, ValueError, "{}", what);
   };
@@ -508,7 +508,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                ValueError, "unknown process-group backend '{}': expected shm, mpi, gloo or nccl", options.backend);
   std::shared_ptr<Store> store;
   try {
-    store = options.store ? options.store : store_from_init_method(options, rank, world_size);
+    store = options.store ? options.store : store_from_init_method(options, url.base, rank, world_size);
   } catch (const CommError& e) {
     // Only when hosting failed on the port the destroyed group's store still holds.
     if (s.destroyed_store.expired() || s.destroyed_port <= 0 ||

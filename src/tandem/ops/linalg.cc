@@ -9,6 +9,7 @@
 #include "tandem/kernels/cpu/channel_math.h"
 #include "tandem/kernels/cpu/gemm.h"
 #include "tandem/kernels/cpu/loops.h"
+#include "tandem/kernels/cpu/reduce.h"
 #include "tandem/kernels/cpu/row_math.h"
 #include "tandem/core/convert.h"
 #include "tandem/ops/elementwise.h"
@@ -37,7 +38,7 @@ Tensor mm_raw(const Tensor& a, const Tensor& b) {
 // order and precision for these dtypes, vectorised); other dtypes through sum_to.
 Tensor bias_grad(const Tensor& g2, int64_t N) {
   if (!is_reduced_float(g2.dtype()) || !g2.is_contiguous()) return sum_to(g2, {N});
-  constexpr int64_t kFoldEvery = 4096;  // kernels/cpu/reduce.cc's
+  using kernels::kFoldEvery;
   const int64_t M = g2.size(0);
   std::vector<float> acc(static_cast<size_t>(N));
   std::vector<double> total(static_cast<size_t>(N), 0.0);

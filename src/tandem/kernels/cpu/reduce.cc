@@ -52,10 +52,6 @@ Tensor kept_then_reduced(const Tensor& x, const std::vector<int64_t>& dims, int6
   return x.detach().permute(perm).contiguous();
 }
 
-// How many values (or rows) an f32 partial sum takes before it is added into an f64 total: far
-// below 2^24, where an f32 sum stops growing by values near 1.
-constexpr int64_t kFoldEvery = 4096;
-
 // acc[j] += row[j] in Acc; f32 rows into f64 sums through the vectorised row kernel (the same sums).
 template <class Acc, class T>
 void add_row(Acc* acc, const T* row, int64_t n) {

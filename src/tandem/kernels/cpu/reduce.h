@@ -17,6 +17,11 @@ Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& dims, bool k
 // Sum over `dims` (already normalised), output dtype `out_dtype` (floating).
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim, DType out_dtype);
 // Max over one dim: (values, int64 indices of the first maximum). NaN wins, as in PyTorch.
+// How many values (or rows) an f32 partial sum of 16-bit values takes before it is added into an
+// f64 total: far below 2^24, where an f32 sum stops growing by values near 1. sum() and linear's
+// bias gradient fold at the same points.
+inline constexpr int64_t kFoldEvery = 4096;
+
 std::pair<Tensor, Tensor> max_dim(const Tensor& x, int64_t dim, bool keepdim, bool minimum = false);
 
 }  // namespace tandem::kernels
